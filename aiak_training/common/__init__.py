@@ -1,0 +1,1 @@
+"""Framework-agnostic core: engine, negotiation, topology, process sets."""

@@ -1,0 +1,70 @@
+"""Runtime settings, read from Horovod's environment variables (AIAK_* only for new knobs)."""
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"Environment variable {name}={value!r} is not a number.") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(_env_float(name, default))
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class Config:
+    fusion_threshold: int = 128 * 1024 * 1024   # HOROVOD_FUSION_THRESHOLD, bytes
+    cycle_time_ms: float = 1.0                   # HOROVOD_CYCLE_TIME
+    cache_capacity: int = 1024                   # HOROVOD_CACHE_CAPACITY
+    stall_check_disable: bool = False            # HOROVOD_STALL_CHECK_DISABLE
+    stall_check_time_s: float = 60.0             # HOROVOD_STALL_CHECK_TIME_SECONDS
+    stall_shutdown_time_s: float = 0.0           # HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
+    timeline: Optional[str] = None               # HOROVOD_TIMELINE (path or DYNAMIC)
+    timeline_mark_cycles: bool = False           # HOROVOD_TIMELINE_MARK_CYCLES
+    hierarchical_allreduce: bool = False         # HOROVOD_HIERARCHICAL_ALLREDUCE
+    allreduce_algo: str = "auto"                 # AIAK_ALLREDUCE_ALGO
+    dynamic_process_sets: bool = False           # HOROVOD_DYNAMIC_PROCESS_SETS
+    mpi_threads_disable: bool = False            # HOROVOD_MPI_THREADS_DISABLE
+    # Tensors at least this large skip the fusion buffer and are reduced in place (no copies).
+    zero_copy_bytes: int = 1024 * 1024           # AIAK_ZERO_COPY_BYTES
+    log_level: str = "WARNING"                   # HOROVOD_LOG_LEVEL
+
+    @classmethod
+    def from_env(cls) -> "Config":
+        cfg = cls(
+            fusion_threshold=_env_int("HOROVOD_FUSION_THRESHOLD", cls.fusion_threshold),
+            cycle_time_ms=_env_float("HOROVOD_CYCLE_TIME", cls.cycle_time_ms),
+            cache_capacity=_env_int("HOROVOD_CACHE_CAPACITY", cls.cache_capacity),
+            stall_check_disable=env_flag("HOROVOD_STALL_CHECK_DISABLE"),
+            stall_check_time_s=_env_float("HOROVOD_STALL_CHECK_TIME_SECONDS", cls.stall_check_time_s),
+            stall_shutdown_time_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                                             cls.stall_shutdown_time_s),
+            timeline=os.environ.get("HOROVOD_TIMELINE") or None,
+            timeline_mark_cycles=env_flag("HOROVOD_TIMELINE_MARK_CYCLES"),
+            hierarchical_allreduce=_env_int("HOROVOD_HIERARCHICAL_ALLREDUCE", 0) > 0,
+            allreduce_algo=os.environ.get("AIAK_ALLREDUCE_ALGO", "auto").strip().lower() or "auto",
+            dynamic_process_sets=env_flag("HOROVOD_DYNAMIC_PROCESS_SETS"),
+            mpi_threads_disable=env_flag("HOROVOD_MPI_THREADS_DISABLE"),
+            zero_copy_bytes=_env_int("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
+            log_level=os.environ.get("HOROVOD_LOG_LEVEL", "WARNING").upper(),
+        )
+        if cfg.allreduce_algo not in ("auto", "flat", "hierarchical"):
+            raise ValueError(f"AIAK_ALLREDUCE_ALGO={cfg.allreduce_algo!r}: expected flat, "
+                             "hierarchical or auto.")
+        if cfg.fusion_threshold < 0:
+            raise ValueError("HOROVOD_FUSION_THRESHOLD must be >= 0.")
+        return cfg

@@ -1,0 +1,94 @@
+"""Element types and reduce ops of the engine, and their MPI counterparts.
+
+Numbering follows Horovod's ``DataType`` / ``ReduceOp`` enums (extended with BOOL and
+BFLOAT16) and is shared with ``csrc/native/dtypes.h``.
+"""
+from enum import IntEnum
+from typing import Dict
+
+from mpi4py import MPI
+
+
+class DataType(IntEnum):
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    INT32 = 4
+    INT64 = 5
+    FLOAT16 = 6
+    FLOAT32 = 7
+    FLOAT64 = 8
+    BOOL = 9
+    BFLOAT16 = 10
+
+
+class ReduceOp(IntEnum):
+    AVERAGE = 0
+    SUM = 1
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+
+
+ITEMSIZE: Dict[DataType, int] = {
+    DataType.UINT8: 1, DataType.INT8: 1, DataType.UINT16: 2, DataType.INT16: 2,
+    DataType.INT32: 4, DataType.INT64: 8, DataType.FLOAT16: 2, DataType.FLOAT32: 4,
+    DataType.FLOAT64: 8, DataType.BOOL: 1, DataType.BFLOAT16: 2,
+}
+
+FLOATING = frozenset({DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT32, DataType.FLOAT64})
+HALF_TYPES = frozenset({DataType.FLOAT16, DataType.BFLOAT16})
+
+_MPI_TYPE = {
+    DataType.UINT8: MPI.UINT8_T, DataType.INT8: MPI.INT8_T, DataType.UINT16: MPI.UINT16_T,
+    DataType.INT16: MPI.INT16_T, DataType.INT32: MPI.INT32_T, DataType.INT64: MPI.INT64_T,
+    # Half types travel as 16-bit words and are reduced by our own kernels (user ops).
+    DataType.FLOAT16: MPI.UINT16_T, DataType.BFLOAT16: MPI.UINT16_T,
+    DataType.FLOAT32: MPI.FLOAT, DataType.FLOAT64: MPI.DOUBLE, DataType.BOOL: MPI.C_BOOL,
+}
+
+_MPI_OP = {ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+           ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
+_BOOL_OP = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND,
+            ReduceOp.PRODUCT: MPI.LAND}
+
+_user_ops: Dict[tuple, MPI.Op] = {}
+
+
+def mpi_datatype(dtype: DataType) -> MPI.Datatype:
+    return _MPI_TYPE[dtype]
+
+
+def _make_user_op(dtype: DataType, op: ReduceOp) -> MPI.Op:
+    from aiak_training.common import native
+
+    def reduce_fn(inbuf, inoutbuf, datatype):
+        count = len(inbuf) // ITEMSIZE[dtype]
+        native.reduce(inbuf.address, inoutbuf.address, count, int(dtype), int(op))
+
+    return MPI.Op.Create(reduce_fn, commute=True)
+
+
+def mpi_op(dtype: DataType, op: ReduceOp) -> MPI.Op:
+    """The MPI op that reduces ``dtype`` with ``op`` (Average reduces as Sum)."""
+    if dtype == DataType.BOOL:
+        if op not in _BOOL_OP:
+            raise ValueError(f"Reduce op {op.name} is not supported for bool tensors.")
+        return _BOOL_OP[op]
+    if dtype in HALF_TYPES:
+        key = (dtype, ReduceOp.SUM if op == ReduceOp.AVERAGE else op)
+        if key not in _user_ops:
+            _user_ops[key] = _make_user_op(*key)
+        return _user_ops[key]
+    return _MPI_OP[op]
+
+
+def free_user_ops() -> None:
+    for op in _user_ops.values():
+        try:
+            op.Free()
+        except MPI.Exception:
+            pass
+    _user_ops.clear()

@@ -1,0 +1,9 @@
+"""The compiled engine kernels (csrc/native), loaded once."""
+try:
+    from aiak_training._native import (copy_batch, copy_scaled_batch, reduce, reduce_many,  # noqa: F401
+                                       scale)
+except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "aiak_training's C++ extension is not built. Install the package with "
+        "`pip install -e .` (or run `python setup.py build_ext --inplace`)."
+    ) from exc

@@ -1,0 +1,281 @@
+"""Executing negotiated responses: fusion, scaling and the MPI data movement.
+
+Runs on the engine thread only.  Allreduce responses that agree on dtype, op and scale
+factors are fused: small tensors are packed into one reusable buffer (one MPI call), while
+tensors of at least ``AIAK_ZERO_COPY_BYTES`` are reduced in place, since copying them in and
+out would cost more than the extra call saves.
+"""
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from aiak_training.common import native
+from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp, mpi_datatype, mpi_op
+from aiak_training.common.messages import CONTROL_OPS, OpType, Response
+
+if TYPE_CHECKING:
+    from aiak_training.common.engine import Engine, ProcessSetState, TensorEntry
+
+_SCALED_UNPACK = (DataType.FLOAT32, DataType.FLOAT64)
+
+
+def _buf(addr: int, count: int, dtype: DataType) -> list:
+    return [MPI.buffer.fromaddress(addr, count * ITEMSIZE[dtype]), count, mpi_datatype(dtype)]
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _split_rows(rows: int, size: int) -> List[int]:
+    """Rows per rank for reducescatter: the first ``rows % size`` ranks get one extra."""
+    base, extra = divmod(rows, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+class Executor:
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self._fusion = np.empty(0, dtype=np.uint8)
+        self._zeros_keep: List[np.ndarray] = []
+
+    # ---- dispatch ----------------------------------------------------------------------
+    def execute(self, state: "ProcessSetState", responses: List[Response]) -> None:
+        threshold = self.engine.config.fusion_threshold
+        i = 0
+        while i < len(responses):
+            resp = responses[i]
+            if resp.op_type == OpType.ERROR:
+                self._fail(state, resp)
+                i += 1
+                continue
+            if resp.op_type in CONTROL_OPS:
+                if resp.op_type == OpType.BARRIER:
+                    self._finish(state, resp)
+                else:
+                    self.engine.handle_control(state, resp)
+                i += 1
+                continue
+            if self.engine.timeline.active:
+                self._activity(resp, None)  # ends NEGOTIATE_<OP>
+                self._activity(resp, resp.op_type.name)
+            if resp.op_type == OpType.ALLREDUCE:
+                group = [resp]
+                total = self._nbytes(resp)
+                j = i + 1
+                while j < len(responses) and self._fusable(resp, responses[j]) \
+                        and total + self._nbytes(responses[j]) <= threshold:
+                    total += self._nbytes(responses[j])
+                    group.append(responses[j])
+                    if self.engine.timeline.active:
+                        self._activity(responses[j], None)
+                        self._activity(responses[j], "ALLREDUCE")
+                    j += 1
+                self._allreduce(state, group)
+                i = j
+                continue
+            {OpType.ALLGATHER: self._allgather, OpType.BROADCAST: self._broadcast,
+             OpType.ALLTOALL: self._alltoall,
+             OpType.REDUCESCATTER: self._reducescatter}[resp.op_type](state, resp)
+            i += 1
+        self._zeros_keep.clear()
+
+    @staticmethod
+    def _nbytes(resp: Response) -> int:
+        return _prod(resp.shapes[0][0]) * ITEMSIZE[DataType(resp.dtype)]
+
+    @staticmethod
+    def _fusable(a: Response, b: Response) -> bool:
+        return (b.op_type == OpType.ALLREDUCE and b.dtype == a.dtype
+                and b.reduce_op == a.reduce_op and b.prescale == a.prescale
+                and b.postscale == a.postscale and b.joined_ranks == a.joined_ranks)
+
+    # ---- bookkeeping -------------------------------------------------------------------
+    def _entry(self, state: "ProcessSetState", resp: Response, index: int = 0) -> "TensorEntry":
+        """This rank's entry for a response, or a zero-filled stand-in if this rank joined."""
+        from aiak_training.common.engine import TensorEntry
+        entry = state.entries.get(resp.names[index])
+        if entry is not None:
+            return entry
+        shape = resp.shapes[index][state.rank]
+        dtype = DataType(resp.dtype)
+        zeros = np.zeros(max(1, _prod(shape)) * ITEMSIZE[dtype], dtype=np.uint8)
+        self._zeros_keep.append(zeros)
+        addr = zeros.ctypes.data
+        scratch = np.empty(max(1, 2 * _prod(shape)) * ITEMSIZE[dtype] + 64, dtype=np.uint8)
+        self._zeros_keep.append(scratch)
+
+        def allocate(_shape, _addr=scratch.ctypes.data):
+            return _addr
+        return TensorEntry(resp.names[index], dtype, shape, addr, addr, allocate=allocate)
+
+    def _finish(self, state: "ProcessSetState", resp: Response, result=None) -> None:
+        timeline = self.engine.timeline
+        for name in resp.names:
+            entry = state.entries.pop(name, None)
+            if timeline.active:
+                timeline.end(name)
+            if entry is not None:
+                self.engine.complete(entry, result=result)
+                state.controller.record_executed(resp, entry.signature)
+            else:
+                state.controller.record_executed(resp, None)
+
+    def _fail(self, state: "ProcessSetState", resp: Response) -> None:
+        for name in resp.names:
+            entry = state.entries.pop(name, None)
+            if entry is not None:
+                self.engine.complete(entry, error=resp.error)
+
+    def _activity(self, resp_or_names, activity: Optional[str]) -> None:
+        timeline = self.engine.timeline
+        if not timeline.active:
+            return
+        names = resp_or_names if isinstance(resp_or_names, list) else resp_or_names.names
+        for name in names:
+            if activity is None:
+                timeline.end(name)
+            else:
+                timeline.begin(name, activity)
+
+    def _fusion_buffer(self, nbytes: int) -> int:
+        if self._fusion.nbytes < nbytes:
+            # Grow geometrically so a slowly growing workload does not reallocate every step.
+            self._fusion = np.empty(max(nbytes, 2 * self._fusion.nbytes), dtype=np.uint8)
+        return self._fusion.ctypes.data
+
+    # ---- allreduce ---------------------------------------------------------------------
+    def _allreduce(self, state: "ProcessSetState", group: List[Response]) -> None:
+        first = group[0]
+        dtype, op = DataType(first.dtype), ReduceOp(first.reduce_op)
+        pre = first.prescale
+        post = first.postscale / state.size if op == ReduceOp.AVERAGE else first.postscale
+        entries = [self._entry(state, r) for r in group]
+        names = [r.names[0] for r in group]
+        zero_copy = self.engine.config.zero_copy_bytes
+        packed = [e for e in entries if e.nbytes < zero_copy] if len(entries) > 1 else []
+        if len(packed) == 1:
+            packed = []
+        in_place = [e for e in entries if not any(e is p for p in packed)]
+        for e in in_place:
+            self._allreduce_in_place(state, e, dtype, op, pre, post)
+        if packed:
+            self._allreduce_fused(state, packed, dtype, op, pre, post)
+        for r in group:
+            self._finish(state, r)
+
+    def _allreduce_in_place(self, state, e, dtype, op, pre, post) -> None:
+        count = e.count
+        if e.in_addr != e.out_addr and count:
+            native.copy_batch([e.out_addr], [e.in_addr], [e.nbytes])
+        native.scale(e.out_addr, count, int(dtype), pre)
+        self._activity([e.name], "MPI_ALLREDUCE")
+        state.algorithm(state.topology, e.out_addr, count, dtype, op)
+        self._activity([e.name], None)
+        native.scale(e.out_addr, count, int(dtype), post)
+
+    def _allreduce_fused(self, state, entries, dtype, op, pre, post) -> None:
+        itemsize = ITEMSIZE[dtype]
+        total = sum(e.nbytes for e in entries)
+        base = self._fusion_buffer(total)
+        offsets, off = [], 0
+        for e in entries:
+            offsets.append(base + off)
+            off += e.nbytes
+        names = [e.name for e in entries]
+        self._activity(names, "MEMCPY_IN_FUSION_BUFFER")
+        native.copy_batch(offsets, [e.in_addr for e in entries], [e.nbytes for e in entries])
+        self._activity(names, None)
+        native.scale(base, total // itemsize, int(dtype), pre)
+        self._activity(names, "MPI_ALLREDUCE")
+        state.algorithm(state.topology, base, total // itemsize, dtype, op)
+        self._activity(names, None)
+        self._activity(names, "MEMCPY_OUT_FUSION_BUFFER")
+        outs = [e.out_addr for e in entries]
+        if post != 1.0 and dtype in _SCALED_UNPACK:
+            native.copy_scaled_batch(outs, offsets, [e.count for e in entries], int(dtype), post)
+        else:
+            native.scale(base, total // itemsize, int(dtype), post)
+            native.copy_batch(outs, offsets, [e.nbytes for e in entries])
+        self._activity(names, None)
+
+    # ---- allgather / broadcast / alltoall / reducescatter ------------------------------
+    def _allgather(self, state: "ProcessSetState", resp: Response) -> None:
+        e = self._entry(state, resp)
+        dtype = DataType(resp.dtype)
+        shapes = resp.shapes[0]
+        row = _prod(shapes[0][1:])
+        counts = [s[0] * row for s in shapes]
+        displs = np.cumsum([0] + counts[:-1]).tolist()
+        out_shape = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
+        out = e.allocate(out_shape)
+        self._activity(resp, "MPI_ALLGATHER")
+        if sum(counts):
+            nbytes = sum(counts) * ITEMSIZE[dtype]
+            recv = [MPI.buffer.fromaddress(out, nbytes), (counts, displs), mpi_datatype(dtype)]
+            state.comm.Allgatherv(_buf(e.in_addr, counts[state.rank], dtype), recv)
+        self._activity(resp, None)
+        self._finish(state, resp, result=out_shape)
+
+    def _broadcast(self, state: "ProcessSetState", resp: Response) -> None:
+        e = self._entry(state, resp)
+        dtype = DataType(resp.dtype)
+        count = e.count
+        if state.rank == resp.root and e.in_addr != e.out_addr and count:
+            native.copy_batch([e.out_addr], [e.in_addr], [e.nbytes])
+        self._activity(resp, "MPI_BCAST")
+        if count:
+            state.comm.Bcast(_buf(e.out_addr, count, dtype), root=resp.root)
+        self._activity(resp, None)
+        self._finish(state, resp)
+
+    def _alltoall(self, state: "ProcessSetState", resp: Response) -> None:
+        e = self._entry(state, resp)
+        dtype = DataType(resp.dtype)
+        me, size = state.rank, state.size
+        shape = resp.shapes[0][me]
+        row = _prod(shape[1:])
+        send_rows = list(resp.splits[me])
+        recv_rows = [resp.splits[src][me] for src in range(size)]
+        send_counts = [r * row for r in send_rows]
+        recv_counts = [r * row for r in recv_rows]
+        out_shape = (sum(recv_rows),) + tuple(shape[1:])
+        out = e.allocate(out_shape)
+        sdispl = np.cumsum([0] + send_counts[:-1]).tolist()
+        rdispl = np.cumsum([0] + recv_counts[:-1]).tolist()
+        t = mpi_datatype(dtype)
+        item = ITEMSIZE[dtype]
+        self._activity(resp, "MPI_ALLTOALL")
+        state.comm.Alltoallv(
+            [MPI.buffer.fromaddress(e.in_addr, sum(send_counts) * item), (send_counts, sdispl), t],
+            [MPI.buffer.fromaddress(out, sum(recv_counts) * item), (recv_counts, rdispl), t])
+        self._activity(resp, None)
+        self._finish(state, resp, result=(out_shape, recv_rows))
+
+    def _reducescatter(self, state: "ProcessSetState", resp: Response) -> None:
+        e = self._entry(state, resp)
+        dtype, op = DataType(resp.dtype), ReduceOp(resp.reduce_op)
+        shape = resp.shapes[0][state.rank]
+        row = _prod(shape[1:])
+        rows = _split_rows(shape[0], state.size)
+        counts = [r * row for r in rows]
+        out_shape = (rows[state.rank],) + tuple(shape[1:])
+        out = e.allocate(out_shape)
+        src = e.in_addr
+        if resp.prescale != 1.0 and e.count:
+            src = self._fusion_buffer(e.nbytes)
+            native.copy_batch([src], [e.in_addr], [e.nbytes])
+            native.scale(src, e.count, int(dtype), resp.prescale)
+        self._activity(resp, "MPI_REDUCESCATTER")
+        if e.count:
+            state.comm.Reduce_scatter(_buf(src, e.count, dtype),
+                                      _buf(out, counts[state.rank], dtype),
+                                      recvcounts=counts, op=mpi_op(dtype, op))
+        self._activity(resp, None)
+        post = resp.postscale / state.size if op == ReduceOp.AVERAGE else resp.postscale
+        native.scale(out, counts[state.rank], int(dtype), post)
+        self._finish(state, resp, result=out_shape)

@@ -1,0 +1,69 @@
+"""Response cache: lets steady-state negotiation be one bit-vector allreduce per cycle.
+
+Every rank inserts the same responses in the same order, so a tensor name maps to the same
+bit on every rank without any extra communication.  Each rank also keeps its own request
+signature beside the response: a later request with the same name but a different shape,
+dtype, op, scale, root or splits is INVALID and forces a renegotiation on every rank.
+"""
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+from aiak_training.common.messages import OpType, Request, Response
+
+CACHEABLE = frozenset({OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL,
+                       OpType.REDUCESCATTER})
+
+HIT, MISS, INVALID = "hit", "miss", "invalid"
+
+
+class ResponseCache:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._slots: List[Optional[Tuple[Response, Optional[tuple]]]] = [None] * capacity
+        self._bit_of: Dict[str, int] = {}
+        self._lru: "OrderedDict[int, None]" = OrderedDict()  # least recently used first
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def lookup(self, request: Request) -> Tuple[str, Optional[int]]:
+        bit = self._bit_of.get(request.name)
+        if bit is None:
+            return MISS, None
+        _, signature = self._slots[bit]
+        if signature != request.signature():
+            return INVALID, bit
+        return HIT, bit
+
+    def response(self, bit: int) -> Response:
+        return self._slots[bit][0]
+
+    def touch(self, bit: int) -> None:
+        self._lru.move_to_end(bit)
+
+    def put(self, response: Response, signature: Optional[tuple]) -> None:
+        """Insert a single-tensor response.  Called in the same order on every rank."""
+        if not self.enabled or response.op_type not in CACHEABLE or len(response.names) != 1:
+            return
+        name = response.names[0]
+        bit = self._bit_of.get(name)
+        if bit is None:
+            if len(self._bit_of) >= self.capacity:
+                self.evict(next(iter(self._lru)))
+            bit = self._slots.index(None)  # lowest free bit: identical on every rank
+            self._bit_of[name] = bit
+        self._slots[bit] = (response, signature)
+        self._lru[bit] = None
+        self._lru.move_to_end(bit)
+
+    def evict(self, bit: int) -> None:
+        entry = self._slots[bit]
+        if entry is None:
+            return
+        del self._bit_of[entry[0].names[0]]
+        self._slots[bit] = None
+        self._lru.pop(bit, None)
+
+    def clear(self) -> None:
+        self.__init__(self.capacity)

@@ -1,0 +1,16 @@
+"""Per-rank test setup: these files run under mpiexec/aiakrun, one pytest per rank."""
+import os
+
+import pytest
+
+# Set before hvd.init(), as Horovod's own tests do.
+os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
+os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hvd_session():
+    import aiak_training.torch as hvd
+    hvd.init()
+    yield hvd
+    hvd.shutdown()
