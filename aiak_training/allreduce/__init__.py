@@ -10,6 +10,7 @@ the engine applies the scale factors.
 from typing import Callable
 
 from aiak_training.allreduce.flat import flat_allreduce
+from aiak_training.common.config import Config
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.topology import Topology
 
@@ -18,8 +19,6 @@ Algorithm = Callable[[Topology, int, int, DataType, ReduceOp], None]
 ALGORITHMS = {"flat": flat_allreduce}
 
 
-def select_algorithm(name: str, topology: Topology) -> Algorithm:
-    """Pick the algorithm for ``AIAK_ALLREDUCE_ALGO`` = ``name`` on this topology."""
-    if name not in ("flat", "auto", "hierarchical"):
-        raise ValueError(f"Unknown allreduce algorithm {name!r}.")
+def select_algorithm(config: Config, topology: Topology, is_global: bool) -> Algorithm:
+    """Pick the allreduce algorithm of a process set (the same on every rank of it)."""
     return ALGORITHMS["flat"]

@@ -25,6 +25,11 @@ def env_flag(name: str, default: bool = False) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+# auto/flat/hierarchical are the user-facing choices; horovod-hier and aiak-hier name the
+# two hierarchical algorithms explicitly (hierarchical means aiak-hier).
+ALLREDUCE_ALGOS = ("auto", "flat", "hierarchical", "horovod-hier", "aiak-hier")
+
+
 @dataclass
 class Config:
     fusion_threshold: int = 128 * 1024 * 1024   # HOROVOD_FUSION_THRESHOLD, bytes
@@ -62,9 +67,9 @@ class Config:
             zero_copy_bytes=_env_int("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
             log_level=os.environ.get("HOROVOD_LOG_LEVEL", "WARNING").upper(),
         )
-        if cfg.allreduce_algo not in ("auto", "flat", "hierarchical"):
-            raise ValueError(f"AIAK_ALLREDUCE_ALGO={cfg.allreduce_algo!r}: expected flat, "
-                             "hierarchical or auto.")
+        if cfg.allreduce_algo not in ALLREDUCE_ALGOS:
+            raise ValueError(f"AIAK_ALLREDUCE_ALGO={cfg.allreduce_algo!r}: expected one of "
+                             f"{', '.join(ALLREDUCE_ALGOS)}.")
         if cfg.fusion_threshold < 0:
             raise ValueError("HOROVOD_FUSION_THRESHOLD must be >= 0.")
         return cfg

@@ -147,7 +147,7 @@ class Engine:
             controller=Controller(comm, cfg.cache_capacity,
                                   0.0 if cfg.stall_check_disable else cfg.stall_check_time_s,
                                   cfg.stall_shutdown_time_s),
-            algorithm=select_algorithm(cfg.allreduce_algo if set_id == 0 else "flat", topo))
+            algorithm=select_algorithm(cfg, topo, is_global=set_id == 0))
         with self._lock:
             self._sets[set_id] = state
 

@@ -5,8 +5,8 @@ Node grouping comes from a shared-memory split, unless ranks carry a host identi
 """
 import os
 import socket
-from dataclasses import dataclass
-from typing import List
+from dataclasses import dataclass, field
+from typing import Callable, List
 
 from mpi4py import MPI
 
@@ -25,12 +25,23 @@ class Topology:
     hostnames: List[str]      # per global rank, as used for grouping ("" if from shm split)
     node_sizes: List[int]     # ranks per node, in node order
     is_homogeneous: bool
+    # Called (last added first) by free() before the communicators go, e.g. to free an
+    # algorithm's shared window on local_comm.
+    finalizers: List[Callable[[], None]] = field(default_factory=list)
+
+    def add_finalizer(self, fn: Callable[[], None]) -> None:
+        self.finalizers.append(fn)
 
     @property
     def num_nodes(self) -> int:
         return len(self.node_sizes)
 
     def free(self) -> None:
+        while self.finalizers:
+            try:
+                self.finalizers.pop()()
+            except MPI.Exception:
+                pass
         for c in (self.cross_comm, self.local_comm, self.comm):
             if c != MPI.COMM_NULL:
                 try:

@@ -41,7 +41,8 @@ _DTYPES = {
 
 # handle -> function turning the engine's result into the user's return value
 _handle_map: Dict[int, Callable[[Any], Any]] = {}
-_noname = itertools.count()
+# Auto-generated names count per process set: they must agree among a set's members only.
+_noname: Dict[int, "itertools.count"] = {}
 _noname_lock = threading.Lock()
 
 
@@ -56,8 +57,11 @@ def init(comm=None, process_sets=None) -> None:
         3) MPI communicator to use. Given communicator will be duplicated.
       process_sets: Either None, a list of ProcessSet objects, or "dynamic".
     """
+    if _basics.is_initialized():
+        return
     _basics.init(comm, process_sets)
     _handle_map.clear()
+    _noname.clear()
 
 
 def handle_average_backwards_compatibility(op: Optional[int], average: Optional[bool]) -> int:
@@ -104,11 +108,30 @@ def _check_op(op: int, tensor: torch.Tensor) -> ReduceOp:
     return rop
 
 
-def _name(prefix: str, name: Optional[str]) -> str:
-    if name:
-        return f"{prefix}.{name}"
-    with _noname_lock:
-        return f"{prefix}.noname.{next(_noname)}"
+class _Names:
+    """Op names, made only once an op is known to be valid.
+
+    Auto-generated names count successful submissions, so ranks that take a different
+    error path (an invalid call that raises) still agree on the next generated name.
+    """
+
+    def __init__(self, prefix: str, name: Optional[str], group: Optional[int] = None):
+        self.prefix, self.name, self.group = prefix, name, group
+
+    def resolve(self, count: int, set_id: int) -> List[str]:
+        if self.name:
+            base = f"{self.prefix}.{self.name}"
+        else:
+            with _noname_lock:
+                counter = _noname.setdefault(set_id, itertools.count())
+                base = f"{self.prefix}.noname.{next(counter)}"
+        if self.group is None:
+            return [base]
+        return [f"{base}_{i}" for i in range(count)]
+
+
+def _name(prefix: str, name: Optional[str]) -> "_Names":
+    return _Names(prefix, name)
 
 
 def _set_rank(process_set: ProcessSet) -> int:
@@ -124,11 +147,14 @@ def _set_rank(process_set: ProcessSet) -> int:
 
 
 def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tensor]]],
-            names: List[str], process_set: ProcessSet, finish: Callable[[List[Any]], Any],
+            names: "_Names", process_set: ProcessSet, finish: Callable[[List[Any]], Any],
             allocate: Optional[Callable[[int], Callable]] = None, **fields) -> int:
     """Enqueue one request per (input, output) pair; return a single user handle."""
     engine = _basics._engine()
     set_rank = _set_rank(process_set)
+    for inp, _ in pairs:
+        _dtype(inp)
+    names = names.resolve(len(pairs), process_set.process_set_id)
     requests, entries = [], []
     for i, ((inp, out), name) in enumerate(zip(pairs, names)):
         dt = _dtype(inp)
@@ -158,7 +184,7 @@ def _contiguous_inplace(tensor: torch.Tensor) -> Tuple[torch.Tensor, Callable[[]
 
 
 # ---- allreduce ----------------------------------------------------------------------------
-def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor], names: List[str],
+def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor], names: "_Names",
                      op: int, prescale_factor: float, postscale_factor: float,
                      process_set: ProcessSet, finish) -> int:
     for t in tensors:
@@ -205,7 +231,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     _check_tensor(tensor)
     src = tensor.contiguous()
     output = torch.empty_like(src, memory_format=torch.contiguous_format)
-    return _allreduce_async([src], [output], [_name("allreduce", name)], op, prescale_factor,
+    return _allreduce_async([src], [output], _name("allreduce", name), op, prescale_factor,
                             postscale_factor, process_set, lambda _: output)
 
 
@@ -231,7 +257,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     def finish(_):
         copy_back()
         return tensor
-    return _allreduce_async([work], [work], [_name("allreduce", name)], op, prescale_factor,
+    return _allreduce_async([work], [work], _name("allreduce", name), op, prescale_factor,
                             postscale_factor, process_set, finish)
 
 
@@ -314,9 +340,8 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
     return synchronize(handle)
 
 
-def _group_names(prefix: str, name: Optional[str], n: int) -> List[str]:
-    base = _name(prefix, name)
-    return [f"{base}_{i}" for i in range(n)]
+def _group_names(prefix: str, name: Optional[str], n: int) -> "_Names":
+    return _Names(prefix, name, group=n)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -485,7 +510,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
         A handle to the allgather operation that can be used with `poll()` or
         `synchronize()`.
     """
-    return _allgather_async([tensor], [_name("allgather", name)], process_set,
+    return _allgather_async([tensor], _name("allgather", name), process_set,
                             lambda outs: outs[0])
 
 
@@ -564,7 +589,7 @@ def _broadcast_async(tensor, output, root_rank, name, process_set, finish) -> in
     if root_rank not in ranks:
         raise ValueError(f"broadcast root_rank {root_rank} is not a member of {process_set} "
                          f"(ranks {ranks}).")
-    return _submit(OpType.BROADCAST, [(tensor, output)], [_name("broadcast", name)],
+    return _submit(OpType.BROADCAST, [(tensor, output)], _name("broadcast", name),
                    process_set, finish, root=ranks.index(root_rank))
 
 
@@ -711,7 +736,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         if splits is None:
             return outputs[0]
         return outputs[0], torch.tensor(recv_rows, dtype=torch.int32)
-    return _submit(OpType.ALLTOALL, [(src, None)], [_name("alltoall", name)], process_set,
+    return _submit(OpType.ALLTOALL, [(src, None)], _name("alltoall", name), process_set,
                    finish, allocate=_allocator(outputs, [src]), splits=tuple(split_list))
 
 
@@ -794,7 +819,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
         A handle to the reducescatter operation that can be used with `poll()` or
         `synchronize()`.
     """
-    return _reducescatter_async([tensor], [_name("reducescatter", name)], op, prescale_factor,
+    return _reducescatter_async([tensor], _name("reducescatter", name), op, prescale_factor,
                                 postscale_factor, process_set, lambda outs: outs[0])
 
 

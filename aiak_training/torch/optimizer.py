@@ -417,6 +417,15 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
 
+    # Compressors that need their own exchange (e.g. DGC's sparse allgather) build the
+    # distributed optimizer themselves.
+    factory = getattr(compression, "make_distributed_optimizer", None)
+    if factory is not None:
+        return factory(optimizer, named_parameters=named_parameters,
+                       backward_passes_per_step=backward_passes_per_step, op=op,
+                       gradient_predivide_factor=gradient_predivide_factor,
+                       process_set=process_set)
+
     if os.environ.get("AIAK_FUSED_OPTIMIZER", "") not in ("", "0"):
         from aiak_training.fused_optim import maybe_fuse
         optimizer = maybe_fuse(optimizer)

@@ -30,19 +30,21 @@ void scale_int(T* p, int64_t n, double f) {
   for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(static_cast<double>(p[i]) * f);
 }
 
+// Scaled in double and rounded once, so Average over a non-power-of-two size is correctly
+// rounded (the loop stays memory-bound; the conversions vectorise).
 void scale_f32(float* p, int64_t n, double f) {
-  const float ff = static_cast<float>(f);
-  for (int64_t i = 0; i < n; ++i) p[i] *= ff;
+  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<double>(p[i]) * f);
 }
 
 void scale_f64(double* p, int64_t n, double f) {
   for (int64_t i = 0; i < n; ++i) p[i] *= f;
 }
 
+// Half types: product in double, rounded to float, then to the half type.
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
 void scale_half(uint16_t* p, int64_t n, double f) {
-  const float ff = static_cast<float>(f);
-  for (int64_t i = 0; i < n; ++i) p[i] = FromF(ToF(p[i]) * ff);
+  for (int64_t i = 0; i < n; ++i)
+    p[i] = FromF(static_cast<float>(static_cast<double>(ToF(p[i])) * f));
 }
 
 void scale(uintptr_t addr, int64_t n, int dtype, double factor) {
@@ -166,11 +168,11 @@ void copy_scaled_batch(const std::vector<uintptr_t>& dst, const std::vector<uint
     throw std::invalid_argument("copy_scaled_batch: dst, src and counts must have equal lengths");
   if (dtype == FLOAT32) {
     py::gil_scoped_release release;
-    const float ff = static_cast<float>(factor);
     for (size_t k = 0; k < dst.size(); ++k) {
       const float* s = as_ptr<const float>(src[k]);
       float* d = as_ptr<float>(dst[k]);
-      for (int64_t i = 0; i < counts[k]; ++i) d[i] = s[i] * ff;
+      for (int64_t i = 0; i < counts[k]; ++i)
+        d[i] = static_cast<float>(static_cast<double>(s[i]) * factor);
     }
     return;
   }

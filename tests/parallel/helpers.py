@@ -51,6 +51,8 @@ def cast_like(value64: torch.Tensor, dtype) -> torch.Tensor:
         if dtype == torch.uint8:
             return (out % 256).to(torch.uint8)
         return out.to(dtype)
+    if dtype in (torch.float16, torch.bfloat16):
+        return value64.to(torch.float32).to(dtype)  # the engine scales halves via float
     return value64.to(dtype)
 
 

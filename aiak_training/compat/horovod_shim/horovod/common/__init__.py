@@ -1,0 +1,1 @@
+"""``horovod.common``: the framework-independent parts that user code imports directly."""

@@ -1,0 +1,4 @@
+"""``horovod.torch.elastic`` -> ``aiak_training.torch.elastic`` if aiak-training provides it."""
+from horovod import _aiak_alias
+
+_aiak_alias.alias(__name__, "aiak_training.torch.elastic")

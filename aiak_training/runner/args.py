@@ -1,0 +1,227 @@
+"""``aiakrun`` command line: horovodrun's flags plus aiak-training's own."""
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional, Sequence
+
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+ALLREDUCE_ALGOS = ("flat", "hierarchical", "auto")
+
+# Flags horovodrun has that only make sense with its elastic driver, Gloo or LSF; they are
+# parsed so that the error names the missing feature instead of argparse's "unrecognized".
+ELASTIC_FLAGS = ("--min-np", "--max-np", "--slots-per-host", "--elastic-timeout",
+                 "--reset-limit", "--blacklist-cooldown-range", "--host-discovery-script")
+# Autotune only tunes performance, so a script that passes it still runs correctly without.
+AUTOTUNE_FLAGS = ("--autotune", "--autotune-log-file", "--autotune-warmup-samples",
+                  "--autotune-steps-per-sample", "--autotune-bayes-opt-max-samples",
+                  "--autotune-gaussian-process-noise")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _on_off(group, name: str, dest: str, help_on: str) -> None:
+    """``--name`` / ``--no-name`` pair storing True/False, None when neither is given."""
+    group.add_argument(f"--{name}", dest=dest, action="store_const", const=True, default=None,
+                       help=help_on)
+    group.add_argument(f"--no-{name}", dest=dest, action="store_const", const=False,
+                       help=f"explicitly turn off --{name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; flag names and meanings follow horovodrun 0.28.1."""
+    p = argparse.ArgumentParser(
+        prog="aiakrun",
+        description="Launch a distributed aiak-training (Horovod-compatible) job over MPI.",
+        epilog="Example: aiakrun -np 4 -H server1:2,server2:2 python train.py",
+        allow_abbrev=False)
+    p.add_argument("-v", "--version", action="store_true", help="print the version and exit")
+    p.add_argument("-np", "--num-proc", dest="num_proc", type=_positive_int, metavar="N",
+                   help="total number of ranks (processes) to start")
+    p.add_argument("-cb", "--check-build", dest="check_build", action="store_true",
+                   help="show the frameworks, controllers and tensor operations available, "
+                        "then exit")
+    p.add_argument("--disable-cache", action="store_true",
+                   help="accepted for horovodrun compatibility; aiakrun caches nothing")
+    p.add_argument("--start-timeout", type=_positive_int, metavar="SECONDS",
+                   help="seconds the ranks may take to start and connect "
+                        "(HOROVOD_START_TIMEOUT; default: $HOROVOD_START_TIMEOUT or 30)")
+    p.add_argument("--network-interfaces", dest="network_interfaces", metavar="NICS",
+                   help="comma-separated network interfaces for MPI and NCCL, e.g. eth0,eth1")
+    p.add_argument("--network-interface", dest="network_interface", action="append", metavar="NIC",
+                   help="one network interface (deprecated horovodrun form; repeatable)")
+    p.add_argument("--output-filename", dest="output_filename", metavar="DIR",
+                   help="also write each rank's output to DIR/rank.<N>/{stdout,stderr}")
+    p.add_argument("--verbose", action="count", default=0,
+                   help="print the MPI command line before running it")
+    p.add_argument("--config-file", dest="config_file", help=argparse.SUPPRESS)
+
+    ssh = p.add_argument_group("SSH")
+    ssh.add_argument("-p", "--ssh-port", dest="ssh_port", type=_positive_int, metavar="PORT",
+                     help="SSH port on all the hosts")
+    ssh.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file", metavar="FILE",
+                     help="SSH identity (private key) file")
+
+    tun = p.add_argument_group("tunables (mapped to Horovod's environment variables)")
+    tun.add_argument("--fusion-threshold-mb", dest="fusion_threshold_mb", metavar="MB",
+                     type=_non_negative_int,
+                     help="tensor fusion buffer size in MiB; 0 disables fusion "
+                          "(HOROVOD_FUSION_THRESHOLD, bytes; default 128 MiB)")
+    tun.add_argument("--cycle-time-ms", dest="cycle_time_ms", metavar="MS",
+                     type=_non_negative_float,
+                     help="background cycle time in ms (HOROVOD_CYCLE_TIME; default 1)")
+    tun.add_argument("--cache-capacity", dest="cache_capacity", type=_non_negative_int, metavar="N",
+                     help="response cache entries; 0 disables (HOROVOD_CACHE_CAPACITY; "
+                          "default 1024)")
+    _on_off(tun, "hierarchical-allreduce", "hierarchical_allreduce",
+            "intra-node then inter-node allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE)")
+    _on_off(tun, "hierarchical-allgather", "hierarchical_allgather",
+            "hierarchical allgather (HOROVOD_HIERARCHICAL_ALLGATHER)")
+    _on_off(tun, "mpi-threads-disable", "mpi_threads_disable",
+            "initialize MPI with MPI_THREAD_SINGLE (HOROVOD_MPI_THREADS_DISABLE)")
+    tun.add_argument("--tcp", action="store_true",
+                     help="TCP only: NCCL_IB_DISABLE=1 (and -tcp for Spectrum MPI)")
+    for flag in AUTOTUNE_FLAGS:
+        tun.add_argument(flag, dest="autotune_" + flag[2:].replace("-", "_"),
+                         nargs=0 if flag == "--autotune" else None, action=_Collect,
+                         help=argparse.SUPPRESS)
+
+    tl = p.add_argument_group("timeline")
+    tl.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
+                    help="write a Chrome-trace timeline (HOROVOD_TIMELINE)")
+    _on_off(tl, "timeline-mark-cycles", "timeline_mark_cycles",
+            "mark background cycles in the timeline (HOROVOD_TIMELINE_MARK_CYCLES)")
+
+    st = p.add_argument_group("stall check")
+    st.add_argument("--no-stall-check", dest="no_stall_check", action="store_true",
+                    help="disable the stall check (HOROVOD_STALL_CHECK_DISABLE=1)")
+    st.add_argument("--stall-check-warning-time-seconds", dest="stall_check_warning_time_seconds",
+                    type=_non_negative_int, metavar="SECONDS",
+                    help="warn after this many seconds of stall "
+                         "(HOROVOD_STALL_CHECK_TIME_SECONDS; default 60)")
+    st.add_argument("--stall-check-shutdown-time-seconds",
+                    dest="stall_check_shutdown_time_seconds", type=_non_negative_int,
+                    metavar="SECONDS",
+                    help="shut down after this many seconds of stall; 0 never "
+                         "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)")
+
+    lib = p.add_argument_group("MPI")
+    lib.add_argument("--mpi-args", dest="mpi_args", metavar="ARGS",
+                     help="extra arguments for mpirun, e.g. --mpi-args=\"-verbose\"")
+    lib.add_argument("--binding-args", dest="binding_args", metavar="ARGS",
+                     help="process binding arguments that replace the defaults")
+
+    log = p.add_argument_group("logging")
+    log.add_argument("--log-level", dest="log_level", type=str.upper, choices=LOG_LEVELS,
+                     help="engine log level (HOROVOD_LOG_LEVEL)")
+    log.add_argument("--log-with-timestamp", dest="log_hide_time", action="store_const",
+                     const=False, default=None, help="timestamps in engine logs")
+    log.add_argument("--log-without-timestamp", dest="log_hide_time", action="store_const",
+                     const=True, help="no timestamps in engine logs (HOROVOD_LOG_HIDE_TIME=1)")
+
+    hosts = p.add_argument_group("hosts").add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS",
+                       help="hosts and slots, e.g. server1:2,server2:4 (default localhost:NP)")
+    hosts.add_argument("-hostfile", "--hostfile", dest="hostfile", metavar="FILE",
+                       help="file with lines 'hostname slots=N'")
+
+    ctl = p.add_argument_group("controller").add_mutually_exclusive_group()
+    ctl.add_argument("--mpi", dest="use_mpi", action="store_true",
+                     help="use MPI (the default and only controller)")
+    ctl.add_argument("--gloo", dest="use_gloo", action="store_true", help=argparse.SUPPRESS)
+    ctl.add_argument("--jsrun", dest="use_jsrun", action="store_true", help=argparse.SUPPRESS)
+
+    el = p.add_argument_group("elastic (not supported)")
+    for flag in ELASTIC_FLAGS:
+        el.add_argument(flag, dest="elastic_" + flag[2:].replace("-", "_"),
+                        nargs=2 if flag == "--blacklist-cooldown-range" else None,
+                        help=argparse.SUPPRESS)
+    el.add_argument("--min-num-proc", dest="elastic_min_np", help=argparse.SUPPRESS)
+    el.add_argument("--max-num-proc", dest="elastic_max_np", help=argparse.SUPPRESS)
+
+    ours = p.add_argument_group("aiak-training")
+    ours.add_argument("-x", dest="env_vars", action="append", default=[], metavar="VAR[=VAL]",
+                      help="set VAR to VAL on every rank, or pass this shell's VAR (repeatable; "
+                           "the whole environment is passed anyway, as horovodrun does)")
+    ours.add_argument("--overlap-update", dest="overlap_update", action="store_true",
+                      help="overlap optimizer updates with communication (AIAK_OVERLAP_UPDATE=1)")
+    ours.add_argument("--allreduce-algo", dest="allreduce_algo", choices=ALLREDUCE_ALGOS,
+                      help="allreduce algorithm (AIAK_ALLREDUCE_ALGO; default auto)")
+    ours.add_argument("--fused-optimizer", dest="fused_optimizer", action="store_true",
+                      help="use the fused optimizer kernels (AIAK_FUSED_OPTIMIZER=1)")
+    ours.add_argument("--virtual-hosts", dest="virtual_hosts", action="store_true",
+                      help="run every rank on this machine, each with the host identity of its "
+                           "-H/--hostfile slot (HOROVOD_HOSTNAME); also AIAK_VIRTUAL_HOSTS=1")
+    ours.add_argument("--horovod-compat", dest="horovod_compat", action="store_true",
+                      help="make `import horovod.torch` load aiak-training (no script edits); "
+                           "also AIAK_HOROVOD_COMPAT=1")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, with arguments")
+    return p
+
+
+class _Collect(argparse.Action):
+    """Store a value (or True for valueless flags) so ignored flags can be reported."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, True if values == [] else values)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse ``argv`` (default ``sys.argv[1:]``); a leading ``--`` before the command is dropped."""
+    args = build_parser().parse_args(None if argv is None else list(argv))
+    command: List[str] = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    args.command = command
+    return args
+
+
+def network_interfaces(args: argparse.Namespace) -> List[str]:
+    """Interfaces from --network-interfaces and every --network-interface, in order, unique."""
+    names: List[str] = []
+    if args.network_interfaces:
+        names += [n.strip() for n in args.network_interfaces.split(",") if n.strip()]
+    for item in args.network_interface or []:
+        names += [n.strip() for n in item.split(",") if n.strip()]
+    return list(dict.fromkeys(names))
+
+
+def unsupported_flags(args: argparse.Namespace) -> List[str]:
+    """Human-readable reasons this command line cannot run (empty when it can)."""
+    problems = []
+    if args.use_gloo:
+        problems.append("--gloo: aiak-training supports only the MPI controller; drop --gloo "
+                        "(MPI is the default)")
+    if args.use_jsrun:
+        problems.append("--jsrun: LSF/jsrun launching is not supported; use -H/--hostfile")
+    if args.config_file:
+        problems.append("--config-file: YAML config files are not supported; pass the "
+                        "equivalent flags")
+    for flag in ELASTIC_FLAGS:
+        if getattr(args, "elastic_" + flag[2:].replace("-", "_"), None) is not None:
+            problems.append(f"{flag}: elastic training is not supported by aiak-training")
+    return problems
+
+
+def ignored_flags(args: argparse.Namespace) -> List[str]:
+    """Flags accepted for compatibility that have no effect here."""
+    return [flag for flag in AUTOTUNE_FLAGS
+            if getattr(args, "autotune_" + flag[2:].replace("-", "_"), None) is not None]

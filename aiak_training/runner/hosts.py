@@ -1,0 +1,155 @@
+"""Host lists (``-H``, ``--hostfile``, ``AIAK_CLUSTER_HOSTS``) and rank-to-host assignment."""
+from __future__ import annotations
+
+import re
+import socket
+from dataclasses import dataclass
+from typing import List, Sequence
+
+# horovodrun's check for one ``-H`` entry (runner/launch.py); kept identical so that a host
+# string horovodrun rejects is rejected here too.
+HOST_ENTRY_RE = re.compile(r"^[\w.-]+:[0-9]+$")
+
+_LOCAL_NAMES = {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
+
+
+@dataclass(frozen=True)
+class HostSlots:
+    """One host and the number of ranks it may run."""
+
+    name: str
+    slots: int
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.slots}"
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """Where one rank runs, with Horovod's local/cross numbering."""
+
+    rank: int
+    hostname: str
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+def parse_hosts(spec: str) -> List[HostSlots]:
+    """Parse ``"a:2,b:4"`` into host entries.
+
+    Raises ValueError naming the offending entry, since a typo in ``-H`` would otherwise surface
+    much later as an obscure MPI launcher error.
+    """
+    if not spec or not spec.strip():
+        raise ValueError("empty host list; expected host1:slots,host2:slots,...")
+    hosts: List[HostSlots] = []
+    for entry in spec.split(","):
+        entry = entry.strip()
+        if not HOST_ENTRY_RE.match(entry):
+            raise ValueError(f"invalid host entry {entry!r} in {spec!r}: expected "
+                             "host:slots (for example -H server1:2,server2:4)")
+        name, slots = entry.rsplit(":", 1)
+        hosts.append(HostSlots(name, int(slots)))
+    return _validated(hosts, spec)
+
+
+def parse_hostfile(path: str) -> List[HostSlots]:
+    """Parse a hostfile with lines ``host slots=N`` (``#`` comments and blank lines allowed).
+
+    A bare ``host`` line means one slot, as in Open MPI hostfiles.
+    """
+    hosts: List[HostSlots] = []
+    with open(path, "r", encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            fields = line.split()
+            name, slots = fields[0], 1
+            for extra in fields[1:]:
+                key, sep, value = extra.partition("=")
+                if key in ("slots", "max_slots", "max-slots") and sep and value.isdigit():
+                    if key == "slots":
+                        slots = int(value)
+                else:
+                    raise ValueError(f"{path}:{lineno}: cannot parse {raw.strip()!r}; "
+                                     "expected 'hostname slots=N'")
+            if not re.match(r"^[\w.-]+$", name):
+                raise ValueError(f"{path}:{lineno}: invalid host name {name!r}")
+            hosts.append(HostSlots(name, slots))
+    if not hosts:
+        raise ValueError(f"hostfile {path} lists no hosts")
+    return _validated(hosts, path)
+
+
+def _validated(hosts: List[HostSlots], source: str) -> List[HostSlots]:
+    seen = set()
+    for h in hosts:
+        if h.slots < 1:
+            raise ValueError(f"host {h.name!r} in {source!r} has {h.slots} slots; need >= 1")
+        if h.name in seen:
+            # Silently merging or overwriting would change the rank layout the user asked for.
+            raise ValueError(f"host {h.name!r} is listed more than once in {source!r}")
+        seen.add(h.name)
+    return hosts
+
+
+def total_slots(hosts: Sequence[HostSlots]) -> int:
+    """Sum of slots over ``hosts``."""
+    return sum(h.slots for h in hosts)
+
+
+def assign_slots(hosts: Sequence[HostSlots], num_proc: int) -> List[SlotInfo]:
+    """Place ``num_proc`` ranks, filling hosts in the order given (Horovod's rule).
+
+    Rank r goes to the first host that still has a free slot, so ``-H a:2,b:2 -np 3`` gives
+    ranks 0,1 on ``a`` and rank 2 on ``b``; this is also the order MPI launchers use for
+    ``host:slots`` lists.  Raises ValueError when there are fewer slots than ranks.
+    """
+    if num_proc < 1:
+        raise ValueError(f"-np must be >= 1, got {num_proc}")
+    available = total_slots(hosts)
+    if num_proc > available:
+        listing = ",".join(str(h) for h in hosts)
+        raise ValueError(f"-np {num_proc} needs more slots than the {available} given "
+                         f"by the host list {listing}")
+    placed: List[tuple] = []  # (rank, host, local_rank)
+    rank = 0
+    for host in hosts:
+        for local_rank in range(host.slots):
+            if rank == num_proc:
+                break
+            placed.append((rank, host.name, local_rank))
+            rank += 1
+    local_size = {}
+    for _, name, _ in placed:
+        local_size[name] = local_size.get(name, 0) + 1
+    # cross_rank: index of this host among the hosts that have a rank with this local_rank.
+    hosts_with_local: dict = {}
+    for _, name, local_rank in placed:
+        hosts_with_local.setdefault(local_rank, []).append(name)
+    return [SlotInfo(rank=r, hostname=name, local_rank=lr, local_size=local_size[name],
+                     cross_rank=hosts_with_local[lr].index(name),
+                     cross_size=len(hosts_with_local[lr]))
+            for r, name, lr in placed]
+
+
+def used_hosts(slots: Sequence[SlotInfo]) -> List[HostSlots]:
+    """The hosts that actually receive ranks, with the number of ranks each gets, in order."""
+    counts: dict = {}
+    for s in slots:
+        counts[s.hostname] = counts.get(s.hostname, 0) + 1
+    return [HostSlots(name, n) for name, n in counts.items()]
+
+
+def is_local_host(name: str) -> bool:
+    """True for names that denote the machine aiakrun runs on."""
+    if name in _LOCAL_NAMES:
+        return True
+    try:
+        here = socket.gethostname()
+    except OSError:
+        return False
+    return name in (here, here.split(".")[0])

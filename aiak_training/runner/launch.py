@@ -1,0 +1,222 @@
+"""``aiakrun``: horovodrun-compatible launcher (console script ``aiakrun = ...launch:main``).
+
+Flow: parse flags -> pick hosts and place ranks -> compute the ranks' environment -> detect
+the MPI flavour -> build the launcher command (pure, in :mod:`mpi_run`) -> run it under
+supervision (:mod:`supervise`), with every rank wrapped by :mod:`task_wrapper`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import stat
+import sys
+import tempfile
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from aiak_training.compat import (COMPAT_ENV, RealHorovodError, compat_pythonpath,
+                                  compat_requested)
+from aiak_training.runner.args import (ignored_flags, network_interfaces, parse_args,
+                                       unsupported_flags)
+from aiak_training.runner.env_map import (exportable_names, flag_env, launcher_env,
+                                          parse_env_assignments)
+from aiak_training.runner.failure import FAILURE_DIR_ENV
+from aiak_training.runner.hosts import (HostSlots, assign_slots, is_local_host, parse_hostfile,
+                                        parse_hosts, used_hosts)
+from aiak_training.runner.mpi_flavour import Flavour, MpiLauncher, MpiNotFoundError, detect_launcher
+from aiak_training.runner.mpi_run import LaunchSpec, build_mpi_command
+from aiak_training.runner.supervise import report, run_job
+from aiak_training.runner.task_wrapper import OUTPUT_DIR_ENV
+
+WRAPPER_MODULE = "aiak_training.runner.task_wrapper"
+VIRTUAL_HOSTS_ENV = "AIAK_VIRTUAL_HOSTS"
+CLUSTER_LAUNCHER_ENV = "AIAK_CLUSTER_LAUNCHER_EXEC"
+CLUSTER_IFACE_ENV = "AIAK_CLUSTER_IFACE"
+CLUSTER_HOSTS_ENV = "AIAK_CLUSTER_HOSTS"
+
+
+class UsageError(ValueError):
+    """A problem with the command line or its inputs (exit status 2)."""
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _warn(message: str) -> None:
+    print(f"aiakrun: warning: {message}", file=sys.stderr)
+
+
+def resolve_hosts(args: argparse.Namespace, environ: Mapping[str, str],
+                  cluster_hook: bool) -> List[HostSlots]:
+    """-H, else --hostfile, else $AIAK_CLUSTER_HOSTS (emulated cluster), else localhost:NP."""
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    if args.hostfile:
+        return parse_hostfile(args.hostfile)
+    if cluster_hook and environ.get(CLUSTER_HOSTS_ENV):
+        return parse_hosts(environ[CLUSTER_HOSTS_ENV])
+    return [HostSlots("localhost", args.num_proc)]
+
+
+def rank_command(command: Sequence[str], python: str = sys.executable) -> List[str]:
+    """What MPI starts on each rank: the user's command behind the task wrapper."""
+    return [python, "-m", WRAPPER_MODULE, "--", *command]
+
+
+def _ssh_agent(run_dir: str, port: Optional[int], identity: Optional[str]) -> str:
+    """Script hydra can use as ``-launcher-exec`` to pass ssh options it has no flag for."""
+    opts = []
+    if port:
+        opts += ["-p", str(port)]
+    if identity:
+        opts += ["-i", identity]
+    path = os.path.join(run_dir, "ssh")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"#!/bin/sh\nexec ssh {shlex.join(opts)} \"$@\"\n")
+    os.chmod(path, stat.S_IRWXU)
+    return path
+
+
+def rank_vars(args: argparse.Namespace, environ: Mapping[str, str],
+              virtual: bool) -> Dict[str, str]:
+    """Variables aiakrun sets for the ranks: tunable flags, ``-x``, the compat PYTHONPATH."""
+    set_vars: Dict[str, str] = flag_env(args, environ)
+    x_vars, missing = parse_env_assignments(args.env_vars, environ)
+    for name in missing:
+        _warn(f"-x {name}: {name} is not set here; not passed")
+    if virtual and "HOROVOD_HOSTNAME" in x_vars:
+        raise UsageError("-x HOROVOD_HOSTNAME conflicts with --virtual-hosts, which sets it "
+                         "per rank")
+    set_vars.update(x_vars)
+    if compat_requested(args.horovod_compat, dict(environ)):
+        try:
+            set_vars["PYTHONPATH"] = compat_pythonpath(set_vars.get("PYTHONPATH",
+                                                                    environ.get("PYTHONPATH")))
+        except RealHorovodError as exc:
+            raise UsageError(f"--horovod-compat: {exc}") from exc
+        set_vars[COMPAT_ENV] = "1"
+    return set_vars
+
+
+def prepare(args: argparse.Namespace, environ: Mapping[str, str], launcher: MpiLauncher,
+            run_dir: str) -> Tuple[LaunchSpec, Dict[str, str]]:
+    """Work out the launch: returns ``(LaunchSpec, launcher environment)``.
+
+    Side effects are limited to ``run_dir`` (the ssh agent script for MPICH, if needed).
+    """
+    virtual = args.virtual_hosts or _truthy(environ.get(VIRTUAL_HOSTS_ENV))
+    cluster_exec = environ.get(CLUSTER_LAUNCHER_ENV) or None
+    cluster_hook = bool(cluster_exec) and launcher.flavour is Flavour.MPICH and not virtual
+    if cluster_exec and not cluster_hook:
+        _warn(f"{CLUSTER_LAUNCHER_ENV} is ignored "
+              + ("with --virtual-hosts" if virtual else
+                 f"(the emulated cluster needs MPICH; found {launcher.flavour.value})"))
+
+    hosts = resolve_hosts(args, environ, cluster_hook)
+    slots = assign_slots(hosts, args.num_proc)
+    placed = used_hosts(slots)
+
+    set_vars = rank_vars(args, environ, virtual)
+    internal = {FAILURE_DIR_ENV: os.path.join(run_dir, "failures")}
+    os.makedirs(internal[FAILURE_DIR_ENV], exist_ok=True)
+    if args.output_filename:
+        internal[OUTPUT_DIR_ENV] = os.path.abspath(args.output_filename)
+    env = launcher_env(environ, {**set_vars, **internal})
+
+    all_local = virtual or all(is_local_host(h.name) for h in placed)
+    cpus = os.cpu_count() or 1
+    ssh_exec = None
+    if (launcher.flavour is Flavour.MPICH and not cluster_hook
+            and (args.ssh_port or args.ssh_identity_file)):
+        ssh_exec = _ssh_agent(run_dir, args.ssh_port, args.ssh_identity_file)
+    spec = LaunchSpec(
+        launcher=launcher.path,
+        flavour=launcher.flavour,
+        num_proc=args.num_proc,
+        hosts=placed,
+        command=rank_command(args.command),
+        set_env=set_vars,
+        export_names=exportable_names(env) if launcher.flavour in (
+            Flavour.OPENMPI, Flavour.SPECTRUM) else (),
+        virtual_hosts=virtual,
+        launcher_major_version=launcher.major_version,
+        run_as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+        # Open MPI refuses to start more ranks than cores on a host unless told to.
+        oversubscribe=all_local and args.num_proc > cpus,
+        ssh_port=args.ssh_port,
+        ssh_identity_file=args.ssh_identity_file,
+        ssh_exec=ssh_exec,
+        cluster_launcher_exec=cluster_exec if cluster_hook else None,
+        iface=(environ.get(CLUSTER_IFACE_ENV) or None) if cluster_hook else None,
+        nics=network_interfaces(args),
+        binding_args=shlex.split(args.binding_args) if args.binding_args else None,
+        extra_mpi_args=shlex.split(args.mpi_args) if args.mpi_args else (),
+        tcp=args.tcp,
+    )
+    return spec, env
+
+
+def _version_text() -> str:
+    from aiak_training.runner.check_build import HOROVOD_VERSION, aiak_version
+    return f"aiakrun (aiak-training) {aiak_version()}, compatible with Horovod {HOROVOD_VERSION}"
+
+
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    """aiakrun's logic; returns the exit status instead of exiting."""
+    args = parse_args(argv)
+    if args.version:
+        print(_version_text())
+        return 0
+    if args.check_build:
+        from aiak_training.runner.check_build import check_build_text
+        print(check_build_text())
+        return 0
+    problems = unsupported_flags(args)
+    if problems:
+        for p in problems:
+            print(f"aiakrun: error: {p}", file=sys.stderr)
+        return 2
+    for flag in ignored_flags(args):
+        _warn(f"{flag} is not supported by aiak-training and is ignored")
+    if not args.command:
+        print("aiakrun: error: no command given (e.g. aiakrun -np 2 python train.py)",
+              file=sys.stderr)
+        return 2
+    if args.num_proc is None:
+        print("aiakrun: error: -np/--num-proc is required", file=sys.stderr)
+        return 2
+
+    run_dir = tempfile.mkdtemp(prefix="aiakrun.")
+    try:
+        try:
+            launcher = detect_launcher(os.environ)
+            spec, env = prepare(args, os.environ, launcher, run_dir)
+            cmd = build_mpi_command(spec)
+        except MpiNotFoundError as exc:
+            print(f"aiakrun: error: {exc}", file=sys.stderr)
+            return 1
+        except (ValueError, OSError) as exc:  # bad -H/--hostfile, -np too large, ...
+            print(f"aiakrun: error: {exc}", file=sys.stderr)
+            return 2
+        if args.verbose:
+            print(f"aiakrun: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        try:
+            result = run_job(cmd, env, env[FAILURE_DIR_ENV])
+        except OSError as exc:  # the launcher vanished between detection and start
+            print(f"aiakrun: error: could not run {launcher.path}: {exc}", file=sys.stderr)
+            return 1
+        report(result, launcher.path)
+        return result.exit_code
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console-script entry point."""
+    sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Per-rank wrapper: ``python -m aiak_training.runner.task_wrapper [--] CMD [ARGS...]``.
+
+aiakrun starts every rank through this module so that failure handling does not depend on the
+MPI flavour:
+
+* the real command runs as a child that is SIGKILLed if the wrapper dies (PR_SET_PDEATHSIG),
+  and receives the signals the wrapper gets (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1/2);
+* when it exits abnormally and was not asked to stop, the wrapper prints
+  ``aiakrun: rank R (host H) exited with exit code N | signal NAME`` to stderr, leaves a record
+  for aiakrun, and then dies by a signal.  MPICH's hydra aborts a job when a process is killed
+  but not when one merely exits non-zero, while Open MPI aborts on both, so dying by a signal
+  makes every launcher stop the remaining ranks at once;
+* the rank's stdout/stderr are passed on in whole lines (:mod:`line_pump`), so rank labels
+  added by the MPI launcher are not scattered through unbuffered output;
+* ``--output-filename`` is implemented here (``$AIAK_OUTPUT_FILENAME/rank.<N>/{stdout,stderr}``,
+  also still shown on the console);
+* with Open MPI ``--virtual-hosts`` the rank's host identity arrives as a map
+  (``$AIAK_VIRTUAL_HOST_MAP``, e.g. ``a:2,b:2``) and is set as ``HOROVOD_HOSTNAME`` here.
+
+Standard library only, and it imports nothing heavy: it starts once per rank.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from typing import IO, List, Mapping, Optional, Sequence
+
+from aiak_training.runner.failure import (FAILURE_DIR_ENV, RankFailure, now, shell_status,
+                                          write_failure)
+from aiak_training.runner.line_pump import pump_lines, write_all
+
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "HOROVOD_RANK")
+SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE")
+OUTPUT_DIR_ENV = "AIAK_OUTPUT_FILENAME"
+VIRTUAL_HOST_MAP_ENV = "AIAK_VIRTUAL_HOST_MAP"
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                     signal.SIGUSR1, signal.SIGUSR2)
+# Signals that mean "the job is being stopped": a child dying after one of these is not a failure.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# Signals the wrapper may re-raise on itself without leaving a core file.
+_CLEAN_DEATH_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP,
+                        signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE, signal.SIGALRM)
+PR_SET_PDEATHSIG = 1
+
+
+def _first_int(env: Mapping[str, str], names: Sequence[str]) -> Optional[int]:
+    for name in names:
+        value = env.get(name, "").strip()
+        if value.lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
+def rank_from_env(env: Mapping[str, str]) -> Optional[int]:
+    """This process's MPI rank from the launcher's variables (MPICH, Open MPI, PMIx, Horovod)."""
+    return _first_int(env, RANK_VARS)
+
+
+def size_from_env(env: Mapping[str, str]) -> Optional[int]:
+    """The job size, when the launcher exports it."""
+    return _first_int(env, SIZE_VARS)
+
+
+def virtual_host_for(rank: int, host_map: str) -> Optional[str]:
+    """Host name of ``rank`` in a ``a:2,b:2`` map (ranks fill hosts in order); None if outside."""
+    first = 0
+    for entry in host_map.split(","):
+        name, _, slots = entry.strip().rpartition(":")
+        if not name or not slots.isdigit():
+            return None
+        if first <= rank < first + int(slots):
+            return name
+        first += int(slots)
+    return None
+
+
+def rank_dir_name(rank: Optional[int], size: Optional[int]) -> str:
+    """``rank.<N>``, zero-padded to the width of the largest rank so listings sort (as Horovod)."""
+    if rank is None:
+        return f"rank.unknown.{os.getpid()}"
+    width = len(str(size - 1)) if size and size > 1 else 1
+    return f"rank.{rank:0{width}d}"
+
+
+class _Child:
+    """The wrapped command, its signal forwarding and its output (line by line, see line_pump)."""
+
+    def __init__(self, argv: List[str], env: Mapping[str, str], output_dir: Optional[str]):
+        self.stop_signal: Optional[int] = None
+        self._threads: List[threading.Thread] = []
+        self._logs: List[IO[bytes]] = []
+        parent = os.getpid()
+        libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only calls it
+
+        def die_with_parent() -> None:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:  # the wrapper died before prctl took effect
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        if output_dir:
+            os.makedirs(output_dir, exist_ok=True)
+        # Handlers go in before the child exists, so a signal cannot slip between the two.
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, self._forward)
+        # close_fds=False: descriptors the launcher passed down (MPICH's PMI_FD) must reach the
+        # rank.  Python opens its own files non-inheritable, so nothing of ours leaks.
+        self.proc = subprocess.Popen(argv, env=dict(env), preexec_fn=die_with_parent,
+                                     close_fds=False, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
+        if self.stop_signal is not None:  # asked to stop while the child was being created
+            self.proc.send_signal(self.stop_signal)
+        for name, stream, console in (("stdout", self.proc.stdout, 1),
+                                      ("stderr", self.proc.stderr, 2)):
+            log = None
+            if output_dir:
+                log = open(os.path.join(output_dir, name), "wb", buffering=0)
+                self._logs.append(log)
+            fd = os.dup(stream.fileno())
+            stream.close()
+            t = threading.Thread(target=pump_lines, args=(fd, console, log), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _forward(self, signum: int, _frame) -> None:
+        if signum in STOP_SIGNALS and self.stop_signal is None:
+            self.stop_signal = signum
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.returncode is None:
+            try:
+                proc.send_signal(signum)
+            except ProcessLookupError:
+                pass
+
+    def wait(self) -> int:
+        returncode = self.proc.wait()
+        for t in self._threads:
+            # Grandchildren may keep the pipe open; do not wait for them forever.
+            t.join(timeout=2.0)
+        for log in self._logs:
+            log.close()
+        return returncode
+
+
+def _report(failure: RankFailure) -> None:
+    # One write() for the whole line: MPI launchers label output per chunk they read, so a
+    # separate newline write would come out as a stray "[1] " line.
+    try:
+        write_all(2, f"aiakrun: {failure.describe()}\n".encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _die(returncode: int) -> None:
+    """End this process so that the MPI launcher treats the rank as failed and aborts the job."""
+    sig = signal.SIGTERM
+    if returncode < 0 and -returncode in _CLEAN_DEATH_SIGNALS:
+        sig = -returncode  # the launcher then reports the same signal as we did
+    if sig != signal.SIGKILL:  # SIGKILL's disposition cannot (and need not) be changed
+        signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+    os.kill(os.getpid(), sig)
+    os._exit(shell_status(returncode) or 1)  # only reached if the signal did not kill us
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command; returns its status when it ends normally or the job was stopped."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "--":
+        args = args[1:]
+    if not args:
+        print("usage: python -m aiak_training.runner.task_wrapper [--] CMD [ARGS...]",
+              file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    rank, size = rank_from_env(env), size_from_env(env)
+    host_map = env.pop(VIRTUAL_HOST_MAP_ENV, "")
+    if host_map and rank is not None:
+        virtual = virtual_host_for(rank, host_map)
+        if virtual:
+            env["HOROVOD_HOSTNAME"] = virtual
+    host = env.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    output_root = env.get(OUTPUT_DIR_ENV)
+    output_dir = os.path.join(output_root, rank_dir_name(rank, size)) if output_root else None
+    failure_dir = env.get(FAILURE_DIR_ENV, "")
+
+    try:
+        child = _Child(args, env, output_dir)
+    except OSError as exc:
+        failure = RankFailure(rank, host, 127, now(),
+                              detail=f"could not start {args[0]!r}: {exc.strerror or exc}")
+        _report(failure)
+        write_failure(failure_dir, failure)
+        _die(127)
+        return 127
+    returncode = child.wait()
+    if returncode == 0:
+        return 0
+    if child.stop_signal is not None:
+        # The job is being stopped (Ctrl-C, or the launcher tearing down after another rank
+        # failed): not this rank's fault, so no report that could hide the real cause.
+        return shell_status(returncode)
+    failure = RankFailure(rank, host, returncode, now())
+    _report(failure)
+    write_failure(failure_dir, failure)
+    _die(returncode)
+    return shell_status(returncode)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

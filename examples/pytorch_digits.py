@@ -1,0 +1,96 @@
+"""Train a small MLP on scikit-learn's bundled digits data with aiak_training.
+
+A Horovod script, unchanged except for the import line:
+
+    aiakrun -np 2 python examples/pytorch_digits.py
+    mpiexec -n 2 python examples/pytorch_digits.py
+"""
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import aiak_training.torch as hvd
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=15)
+    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--fp16-allreduce", action="store_true", help="fp16 compression")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
+    hvd.init()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # several ranks share this machine's cores
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25,
+                                                        random_state=args.seed, stratify=y)
+    # Each rank trains on its own shard.
+    x_train = torch.from_numpy(x_train[hvd.rank()::hvd.size()])
+    y_train = torch.from_numpy(y_train[hvd.rank()::hvd.size()])
+    x_test, y_test = torch.from_numpy(x_test), torch.from_numpy(y_test)
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    # Scale the learning rate by the number of ranks, as Horovod recommends.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
+                                momentum=args.momentum)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
+
+    if hvd.rank() == 0:
+        print(f"training on {hvd.size()} rank(s), {len(x_train)} samples per rank, "
+              f"{args.epochs} epochs", flush=True)
+    g = torch.Generator().manual_seed(args.seed + hvd.rank())
+    # Every rank must run the same number of steps.
+    steps = int(hvd.allreduce(torch.tensor(len(x_train) // args.batch_size), op=hvd.Min))
+    for epoch in range(1, args.epochs + 1):
+        start = time.monotonic()
+        model.train()
+        order = torch.randperm(len(x_train), generator=g)
+        total = torch.zeros(2)
+        for step in range(steps):
+            idx = order[step * args.batch_size:(step + 1) * args.batch_size]
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
+            loss.backward()
+            optimizer.step()
+            total += torch.tensor([loss.item() * len(idx), len(idx)])
+        total = hvd.allreduce(total, op=hvd.Sum, name="epoch_loss")
+        if hvd.rank() == 0:
+            bar = "#" * int(30 * epoch / args.epochs)
+            print(f"epoch {epoch:3d}/{args.epochs} [{bar:<30}] "
+                  f"loss {total[0] / total[1]:.4f}  {time.monotonic() - start:.2f}s", flush=True)
+
+    model.eval()
+    with torch.no_grad():
+        correct = (model(x_test).argmax(1) == y_test).sum()
+    # Every rank evaluated the same test set; check they agree (parameters are in sync).
+    accs = hvd.allgather_object(int(correct))
+    assert len(set(accs)) == 1, f"ranks disagree: {accs}"
+    if hvd.rank() == 0:
+        print(f"test accuracy: {100.0 * accs[0] / len(y_test):.2f}% "
+              f"({accs[0]}/{len(y_test)})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Launching per-rank test programs from pytest."""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from typing import Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpiexec() -> str:
+    candidates = [os.path.join(sysconfig.get_path("scripts"), "mpiexec"), shutil.which("mpiexec")]
+    for c in candidates:
+        if c and os.path.exists(c):
+            return c
+    raise RuntimeError("mpiexec not found: install an MPI (pip install mpich)")
+
+
+def env_with(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests", "parallel"),
+                                         env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # A test that desynchronises ranks must fail, not hang until the outer timeout.
+    env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", "20")
+    env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "90")
+    env.update(extra or {})
+    return env
+
+
+def mpi_command(nodes: Sequence[int], argv: List[str], virtual_hosts: bool) -> List[str]:
+    """mpiexec argv for ranks laid out as ``nodes`` (ranks per node).
+
+    With virtual hosts, each node's ranks get HOROVOD_HOSTNAME=nodeK through MPMD sections.
+    """
+    cmd = [mpiexec()]
+    if not virtual_hosts:
+        return cmd + ["-n", str(sum(nodes))] + argv
+    for k, n in enumerate(nodes):
+        if k:
+            cmd.append(":")
+        cmd += ["-n", str(n), "-env", "HOROVOD_HOSTNAME", f"node{k}"] + argv
+    return cmd
+
+
+def run_ranks(nodes: Sequence[int], argv: List[str], env: Optional[Dict[str, str]] = None,
+              virtual_hosts: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = mpi_command(nodes, argv, virtual_hosts) if sum(nodes) > 1 or virtual_hosts else argv
+    return subprocess.run(cmd, env=env_with(env), cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)

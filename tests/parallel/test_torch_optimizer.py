@@ -1,0 +1,227 @@
+"""DistributedOptimizer and SyncBatchNorm against single-process full-batch references."""
+import copy
+
+import pytest
+import torch
+
+import aiak_training.torch as hvd
+
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """Exact comparisons: train in float64 (restored afterwards for other modules)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batches(step, micro=0, per_rank=4):
+    """Every rank's shard of one (micro)batch; identical on every rank."""
+    g = torch.Generator().manual_seed(10_000 + 100 * step + micro)
+    x = torch.randn(hvd.size() * per_rank, 6, generator=g)
+    y = torch.randn(hvd.size() * per_rank, 3, generator=g)
+    return x, y
+
+
+def shard(t):
+    n = t.shape[0] // hvd.size()
+    return t[hvd.rank() * n:(hvd.rank() + 1) * n]
+
+
+def loss_fn(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=1e-3),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01),
+}
+
+
+def train_reference(make_opt, steps, passes=1):
+    model = make_model()
+    opt = make_opt(model.parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(passes):
+            x, y = batches(step, micro)
+            loss_fn(model, x, y).backward()
+        opt.step()
+    return model
+
+
+def train_distributed(make_opt, steps, passes=1, **kwargs):
+    model = make_model()
+    opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **kwargs)
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(passes):
+            x, y = batches(step, micro)
+            loss_fn(model, shard(x), shard(y)).backward()
+        opt.step()
+    return model, opt
+
+
+def assert_models_close(a, b, atol=1e-12):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa, pb, atol=atol, rtol=0), (name, (pa - pb).abs().max())
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_matches_full_batch_training(name):
+    model, opt = train_distributed(OPTIMIZERS[name], steps=6)
+    assert_models_close(model, train_reference(OPTIMIZERS[name], steps=6))
+    assert isinstance(opt, type(OPTIMIZERS[name]([torch.zeros(1, requires_grad=True)])))
+
+
+def test_backward_passes_per_step():
+    model, _ = train_distributed(OPTIMIZERS["sgd"], steps=4, passes=2)
+    assert_models_close(model, train_reference(OPTIMIZERS["sgd"], steps=4, passes=2))
+
+
+@pytest.mark.parametrize("groups", [2, "explicit"])
+def test_groups(groups):
+    model = make_model()
+    ps = list(model.parameters())
+    groups_arg = 2 if groups == 2 else [[ps[0], ps[2]]]
+    opt = hvd.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()),
+                                   named_parameters=model.named_parameters(), groups=groups_arg)
+    for step in range(4):
+        opt.zero_grad()
+        x, y = batches(step)
+        loss_fn(model, shard(x), shard(y)).backward()
+        opt.step()
+    assert_models_close(model, train_reference(OPTIMIZERS["adam"], steps=4))
+
+
+def test_gradient_predivide_factor_and_fp16_compression():
+    model, _ = train_distributed(OPTIMIZERS["sgd"], steps=3, gradient_predivide_factor=4.0)
+    assert_models_close(model, train_reference(OPTIMIZERS["sgd"], steps=3), atol=1e-12)
+    model, _ = train_distributed(OPTIMIZERS["sgd"], steps=3, compression=hvd.Compression.fp16)
+    assert_models_close(model, train_reference(OPTIMIZERS["sgd"], steps=3), atol=5e-3)
+
+
+def test_sum_op_and_synchronize_with_clipping():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Sum)
+    x, y = batches(0)
+    loss_fn(model, shard(x), shard(y)).backward()
+    opt.synchronize()
+    ref = make_model()
+    local_grads = []
+    for r in range(hvd.size()):
+        ref.zero_grad()
+        n = x.shape[0] // hvd.size()
+        loss_fn(ref, x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]).backward()
+        local_grads.append([p.grad.clone() for p in ref.parameters()])
+    for i, p in enumerate(model.parameters()):
+        assert torch.allclose(p.grad, sum(g[i] for g in local_grads), atol=1e-12, rtol=0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    with opt.skip_synchronize():
+        opt.step()
+    total = torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))
+    assert total <= 0.5 + 1e-9
+
+
+def test_unused_parameter_on_some_ranks():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    params = list(a.parameters()) + list(b.parameters())
+    named = [("a.w", a.weight), ("a.b", a.bias), ("b.w", b.weight), ("b.b", b.bias)]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=1.0), named_parameters=named)
+    x = torch.ones(2, 3)
+    out = a(x).sum()
+    if hvd.rank() == 0:
+        out = out + b(x).sum()   # only rank 0 touches b
+    out.backward()
+    opt.synchronize()
+    # b's gradient is rank 0's, averaged with zeros from the others.
+    assert torch.allclose(b.weight.grad, torch.full((1, 3), 2.0 / hvd.size()))
+    assert torch.allclose(a.weight.grad, torch.full((1, 3), 2.0))
+    with opt.skip_synchronize():
+        opt.step()
+
+
+def test_misuse_is_reported():
+    model = make_model()
+    if hvd.size() > 1:
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        x, y = batches(0)
+        loss_fn(model, shard(x), shard(y)).backward()
+        with pytest.raises(AssertionError, match="zero_grad"):
+            opt.zero_grad()
+        with pytest.raises(AssertionError, match="backward_passes_per_step"):
+            loss_fn(model, shard(x), shard(y)).backward()
+        opt.synchronize()
+        with pytest.warns(UserWarning, match="skip_synchronize"):
+            opt.step()
+    with pytest.raises(ValueError, match="unique"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=[("same", p) for p in model.parameters()])
+    with pytest.raises(ValueError, match="not named"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=list(model.named_parameters())[:1])
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+
+
+def test_lr_scheduler_and_state_dict_roundtrip():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batches(step)
+        loss_fn(model, shard(x), shard(y)).backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    state = copy.deepcopy(opt.state_dict())
+    plain = torch.optim.SGD(make_model().parameters(), lr=1.0, momentum=0.9)
+    plain.load_state_dict(state)
+    assert plain.param_groups[0]["lr"] == pytest.approx(0.0125)
+
+
+def test_sync_batch_norm_matches_full_batch():
+    g = torch.Generator().manual_seed(5)
+    x_all = torch.randn(hvd.size() * 3, 4, 5, generator=g)
+    w_all = torch.randn(hvd.size() * 3, 4, 5, generator=g)
+    sbn = hvd.SyncBatchNorm(4)
+    bn = torch.nn.BatchNorm1d(4)
+    with torch.no_grad():
+        for m in (sbn, bn):
+            m.weight.copy_(torch.linspace(0.5, 2.0, 4))
+            m.bias.copy_(torch.linspace(-1.0, 1.0, 4))
+    x_mine = shard(x_all).clone().requires_grad_(True)
+    out = sbn(x_mine)
+    (out * shard(w_all)).sum().backward()
+    x_ref = x_all.clone().requires_grad_(True)
+    ref = bn(x_ref)
+    (ref * w_all).sum().backward()
+    assert torch.allclose(out, shard(ref), atol=1e-10)
+    assert torch.allclose(x_mine.grad, shard(x_ref.grad), atol=1e-10)
+    # Parameter gradients are local contributions; their sum over ranks is the reference.
+    wgrad = hvd.allreduce(sbn.weight.grad, op=hvd.Sum)
+    assert torch.allclose(wgrad, bn.weight.grad, atol=1e-10)
+    assert torch.allclose(sbn.running_mean, bn.running_mean, atol=1e-12)
+    assert torch.allclose(sbn.running_var, bn.running_var, atol=1e-12)
+    sbn.eval()
+    bn.eval()
+    assert torch.allclose(sbn(x_all), bn(x_all), atol=1e-12)
