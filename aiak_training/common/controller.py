@@ -144,7 +144,10 @@ class Controller:
                 result.responses.append(self.cache.response(bit))
 
         if g_flags & (FLAG_UNCACHED | FLAG_JOINED | FLAG_STALL):
-            result.responses.extend(self._coordinate(stall_names if g_flags & FLAG_STALL else None))
+            # On a stall report every rank lists what it waits for, not only the rank that
+            # noticed, so the coordinator can tell who is really missing.
+            report = sorted(self._submitted_at) if g_flags & FLAG_STALL else None
+            result.responses.extend(self._coordinate(report))
         for resp in result.responses:
             for name in resp.names:
                 self._submitted_at.pop(name, None)
@@ -154,7 +157,10 @@ class Controller:
         """Cache a response that just ran (same call order on every rank)."""
         if response.error or response.joined_ranks:
             return
-        self.cache.put(response, signature)
+        evicted = self.cache.put(response, signature)
+        req = self._cached_pending.pop(evicted, None) if evicted is not None else None
+        if req is not None:
+            self._to_send.append(req)
 
     def mark_unjoined(self) -> None:
         self._joined = False

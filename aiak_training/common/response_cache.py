@@ -42,20 +42,26 @@ class ResponseCache:
     def touch(self, bit: int) -> None:
         self._lru.move_to_end(bit)
 
-    def put(self, response: Response, signature: Optional[tuple]) -> None:
-        """Insert a single-tensor response.  Called in the same order on every rank."""
+    def put(self, response: Response, signature: Optional[tuple]) -> Optional[int]:
+        """Insert a single-tensor response.  Called in the same order on every rank.
+
+        Returns the bit evicted to make room, if any: a request waiting on that bit must be
+        renegotiated, because the bit now belongs to another tensor."""
+        evicted = None
         if not self.enabled or response.op_type not in CACHEABLE or len(response.names) != 1:
-            return
+            return None
         name = response.names[0]
         bit = self._bit_of.get(name)
         if bit is None:
             if len(self._bit_of) >= self.capacity:
-                self.evict(next(iter(self._lru)))
+                evicted = next(iter(self._lru))
+                self.evict(evicted)
             bit = self._slots.index(None)  # lowest free bit: identical on every rank
             self._bit_of[name] = bit
         self._slots[bit] = (response, signature)
         self._lru[bit] = None
         self._lru.move_to_end(bit)
+        return evicted
 
     def evict(self, bit: int) -> None:
         entry = self._slots[bit]

@@ -183,6 +183,8 @@ def test_out_of_order_submission():
 
 
 def test_duplicate_inflight_name_raises_value_error():
+    if hvd.size() == 1:
+        pytest.skip("on one rank the first op may complete before the second call")
     t = torch.ones(3)
     if hvd.rank() == 0:
         h = hvd.allreduce_async(t, name="dup")

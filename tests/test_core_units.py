@@ -1,0 +1,134 @@
+"""Single-process unit tests of the engine's building blocks."""
+import numpy as np
+import pytest
+import torch
+
+from aiak_training.common import native
+from aiak_training.common.config import Config
+from aiak_training.common.dtypes import DataType, ReduceOp
+from aiak_training.common.messages import OpType, Request, Response
+from aiak_training.common.response_cache import HIT, INVALID, MISS, ResponseCache
+
+HALF = {DataType.FLOAT16: torch.float16, DataType.BFLOAT16: torch.bfloat16}
+
+
+def _special_floats():
+    g = torch.Generator().manual_seed(0)
+    vals = torch.cat([torch.randn(20000, generator=g) * s for s in (1e-8, 1e-5, 1e-2, 1, 1e3, 6e4, 1e6)])
+    extra = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 65504.0, 65520.0, 65519.99,
+                          6.1e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-45, 3.0e38])
+    return torch.cat([vals, extra]).float()
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+def test_half_conversions_match_torch_rounding(dtype):
+    # Rounding through our scale kernel (factor 1 in float) must equal torch's conversion.
+    x = _special_floats()
+    roundtrip = native.half_roundtrip if dtype == DataType.FLOAT16 else native.bf16_roundtrip
+    ours = torch.tensor([roundtrip(float(v)) for v in x[::97].tolist()])
+    ref = x[::97].to(HALF[dtype]).float()
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("dtype", list(HALF))
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT])
+def test_half_reduce_kernel(dtype, op):
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(1001, generator=g) * 10).to(HALF[dtype])
+    b = (torch.randn(1001, generator=g) * 10).to(HALF[dtype])
+    dst = b.clone()
+    native.reduce(a.data_ptr(), dst.data_ptr(), a.numel(), int(dtype), int(op))
+    af, bf = a.float(), b.float()
+    ref = {ReduceOp.SUM: af + bf, ReduceOp.MIN: torch.minimum(af, bf),
+           ReduceOp.MAX: torch.maximum(af, bf), ReduceOp.PRODUCT: af * bf}[op]
+    assert torch.equal(dst, ref.to(HALF[dtype]))
+
+
+@pytest.mark.parametrize("tdtype,dtype", [(torch.int32, DataType.INT32), (torch.int8, DataType.INT8),
+                                          (torch.int64, DataType.INT64), (torch.uint8, DataType.UINT8)])
+def test_integer_scaling_truncates_like_torch(tdtype, dtype):
+    x = torch.arange(-50 if tdtype != torch.uint8 else 0, 50, dtype=tdtype)
+    for f in (0.3, 1.5, 2.0 / 3.0):
+        y = x.clone()
+        native.scale(y.data_ptr(), y.numel(), int(dtype), f)
+        assert torch.equal(y, (x.to(torch.float64) * f).to(tdtype))
+
+
+def test_float_scaling_rounds_once_from_double():
+    x = torch.randn(999, dtype=torch.float32)
+    y = x.clone()
+    native.scale(y.data_ptr(), y.numel(), int(DataType.FLOAT32), 1.0 / 3.0)
+    assert torch.equal(y, (x.double() * (1.0 / 3.0)).float())
+    out = torch.empty_like(x)
+    native.copy_scaled_batch([out.data_ptr()], [x.data_ptr()], [x.numel()],
+                             int(DataType.FLOAT32), 1.0 / 3.0)
+    assert torch.equal(out, y)
+
+
+def test_copy_batch_and_errors():
+    srcs = [np.arange(n, dtype=np.float64) for n in (0, 1, 7, 1000)]
+    dsts = [np.zeros_like(s) for s in srcs]
+    native.copy_batch([d.ctypes.data for d in dsts], [s.ctypes.data for s in srcs],
+                      [s.nbytes for s in srcs])
+    for d, s in zip(dsts, srcs):
+        assert np.array_equal(d, s)
+    with pytest.raises(ValueError):
+        native.copy_batch([0], [], [])
+    with pytest.raises(ValueError):
+        native.scale(0, 3, 99, 2.0)
+
+
+def _req(name, shape=(4,), rank=0):
+    return Request(rank=rank, name=name, op_type=OpType.ALLREDUCE, dtype=int(DataType.FLOAT32),
+                   shape=shape)
+
+
+def _resp(req):
+    return Response(OpType.ALLREDUCE, [req.name], dtype=req.dtype, shapes=[[req.shape]])
+
+
+def test_response_cache_hit_miss_invalid_and_lru():
+    cache = ResponseCache(2)
+    a, b, c = _req("a"), _req("b"), _req("c")
+    assert cache.lookup(a) == (MISS, None)
+    cache.put(_resp(a), a.signature())
+    cache.put(_resp(b), b.signature())
+    assert cache.lookup(a) == (HIT, 0) and cache.lookup(b) == (HIT, 1)
+    assert cache.lookup(_req("a", shape=(5,))) == (INVALID, 0)
+    cache.touch(0)                      # a is now most recently used: b gets evicted
+    cache.put(_resp(c), c.signature())
+    assert cache.lookup(b) == (MISS, None)
+    assert cache.lookup(c) == (HIT, 1)  # lowest free bit, identical on every rank
+    cache.evict(0)
+    assert cache.lookup(a) == (MISS, None)
+    disabled = ResponseCache(0)
+    disabled.put(_resp(a), a.signature())
+    assert not disabled.enabled and disabled.lookup(a) == (MISS, None)
+
+
+def test_config_from_env(monkeypatch):
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1048576")
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "2.5")
+    monkeypatch.setenv("HOROVOD_CACHE_CAPACITY", "0")
+    monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "1")
+    cfg = Config.from_env()
+    assert (cfg.fusion_threshold, cfg.cycle_time_ms, cfg.cache_capacity) == (1048576, 2.5, 0)
+    assert cfg.hierarchical_allreduce and cfg.allreduce_algo == "auto"
+    monkeypatch.setenv("AIAK_ALLREDUCE_ALGO", "ring")
+    with pytest.raises(ValueError, match="AIAK_ALLREDUCE_ALGO"):
+        Config.from_env()
+    monkeypatch.setenv("AIAK_ALLREDUCE_ALGO", "flat")
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "fast")
+    with pytest.raises(ValueError, match="HOROVOD_CYCLE_TIME"):
+        Config.from_env()
+
+
+def test_compression_fp16_roundtrip():
+    import aiak_training.torch as hvd
+    t = torch.tensor([1.0, 2.5, -3.25], dtype=torch.float64)
+    c, ctx = hvd.Compression.fp16.compress(t)
+    assert c.dtype == torch.float16
+    assert torch.equal(hvd.Compression.fp16.decompress(c, ctx), t)
+    i = torch.tensor([1, 2])
+    c, ctx = hvd.Compression.fp16.compress(i)
+    assert c.dtype == torch.int64 and hvd.Compression.fp16.decompress(c, ctx) is c
