@@ -167,16 +167,15 @@ class Controller:
 
     # ---------------------------------------------------------------------------------------
     def _bit_vector(self, flags: int, invalid_bits: List[int]) -> np.ndarray:
-        vec = np.zeros(1 + 2 * self.words, dtype=np.uint64)
-        vec[0] = ~np.uint64(flags) & _ALL_ONES
-        invalid = np.zeros(self.words, dtype=np.uint64)
+        # Built with Python ints (cheap per bit), converted to uint64 once.
+        mask = (1 << 64) - 1
+        invalid = [0] * self.words
         for bit in invalid_bits:
-            invalid[bit >> 6] |= np.uint64(1 << (bit & 63))
-        vec[1:1 + self.words] = ~invalid & _ALL_ONES
-        hits = vec[1 + self.words:]
+            invalid[bit >> 6] |= 1 << (bit & 63)
+        hits = [0] * self.words
         for bit in self._cached_pending:
-            hits[bit >> 6] |= np.uint64(1 << (bit & 63))
-        return vec
+            hits[bit >> 6] |= 1 << (bit & 63)
+        return np.array([~flags & mask] + [~w & mask for w in invalid] + hits, dtype=np.uint64)
 
     @staticmethod
     def _bits(words: np.ndarray) -> List[int]:

@@ -37,10 +37,12 @@ DUPLICATE_NAME_MESSAGE = (
 
 
 class Handle:
-    __slots__ = ("event", "error", "result")
+    """Completion state of one submitted tensor.  Waiters sleep on the engine's condition,
+    which is notified once per cycle rather than once per tensor."""
+    __slots__ = ("done", "error", "result")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.done = False
         self.error: Optional[str] = None
         self.result = None
 
@@ -104,6 +106,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._ready = threading.Event()
+        self._completed = threading.Condition(threading.Lock())
         self._handles: Dict[int, Handle] = {}
         self._handle_ids = _counter(1)
         self._sets: Dict[int, ProcessSetState] = {}
@@ -202,11 +205,13 @@ class Engine:
             if state is None:
                 raise ValueError(f"Process set {set_id} is not registered on this rank "
                                  "(it was removed, or this rank is not a member).")
-            names = [e.name for e in entries]
-            for req, name in zip(requests, names):
-                if name in state.entries or names.count(name) > 1:
+            seen = set()
+            for req, entry in zip(requests, entries):
+                name = entry.name
+                if name in state.entries or name in seen:
                     raise ValueError(DUPLICATE_NAME_MESSAGE.format(
                         op=OpType(req.op_type).name.lower(), name=name))
+                seen.add(name)
             handles = []
             for req, entry in zip(requests, entries):
                 hid = next(self._handle_ids)
@@ -224,16 +229,19 @@ class Engine:
         h = self._handles.get(handle)
         if h is None:
             raise ValueError(f"Handle {handle} was not created or has been cleared.")
-        return h.event.is_set()
+        return h.done
 
     def wait(self, handle: int) -> Handle:
         """Block until the handle completes, then forget it.  Raises on failure."""
         h = self._handles.get(handle)
         if h is None:
             raise ValueError(f"Handle {handle} was not created or has been cleared.")
-        while not h.event.wait(0.5):
-            if not self._thread.is_alive() and not h.event.is_set():
-                raise HorovodInternalError(self._fatal or SHUT_DOWN_MESSAGE)
+        if not h.done:
+            with self._completed:
+                while not h.done:
+                    self._completed.wait(0.5)
+                    if not h.done and not self._thread.is_alive():
+                        raise HorovodInternalError(self._fatal or SHUT_DOWN_MESSAGE)
         with self._lock:
             self._handles.pop(handle, None)
         if h.error is not None:
@@ -245,7 +253,11 @@ class Engine:
         if h is None:
             return
         h.error, h.result = error, result
-        h.event.set()
+        h.done = True
+
+    def _notify_completions(self) -> None:
+        with self._completed:
+            self._completed.notify_all()
 
     # ---- background thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -297,7 +309,10 @@ class Engine:
             if result.shutdown:
                 return True, "" if self._shutdown_requested else result.shutdown_reason
             if result.responses:
-                self.executor.execute(state, result.responses)
+                try:
+                    self.executor.execute(state, result.responses)
+                finally:
+                    self._notify_completions()
         return False, ""
 
     def _stop(self, reason: str) -> None:
@@ -308,6 +323,7 @@ class Engine:
             for entry in list(state.entries.values()):
                 self.complete(entry, error=reason)
             state.entries.clear()
+        self._notify_completions()
         self.timeline.stop()
         # Free communicators only on a clean shutdown: after a failure a peer may be gone.
         if self._fatal is None:

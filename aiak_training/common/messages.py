@@ -28,24 +28,44 @@ CONTROL_OPS = frozenset({OpType.BARRIER, OpType.JOIN, OpType.ADD_PROCESS_SET,
                          OpType.REMOVE_PROCESS_SET})
 
 
-@dataclass(frozen=True)
 class Request:
-    rank: int                      # rank within the process set
-    name: str
-    op_type: OpType
-    dtype: int = 0
-    shape: Tuple[int, ...] = ()
-    reduce_op: int = 1
-    prescale: float = 1.0
-    postscale: float = 1.0
-    root: int = -1                 # broadcast root, as a rank within the process set
-    splits: Optional[Tuple[int, ...]] = None   # alltoall send splits (rows per destination)
-    payload: Optional[Tuple[int, ...]] = None  # ranks, for process-set requests
+    """One tensor submitted by one rank (a plain slotted class: built once per tensor per step,
+    so it is kept cheap)."""
+
+    __slots__ = ("rank", "name", "op_type", "dtype", "shape", "reduce_op", "prescale",
+                 "postscale", "root", "splits", "payload", "_signature")
+
+    def __init__(self, rank: int, name: str, op_type: OpType, dtype: int = 0,
+                 shape: Tuple[int, ...] = (), reduce_op: int = 1, prescale: float = 1.0,
+                 postscale: float = 1.0, root: int = -1,
+                 splits: Optional[Tuple[int, ...]] = None,
+                 payload: Optional[Tuple[int, ...]] = None):
+        self.rank = rank                # rank within the process set
+        self.name = name
+        self.op_type = op_type
+        self.dtype = dtype
+        self.shape = shape
+        self.reduce_op = reduce_op
+        self.prescale = prescale
+        self.postscale = postscale
+        self.root = root                # broadcast root, as a rank within the process set
+        self.splits = splits            # alltoall send splits (rows per destination)
+        self.payload = payload          # ranks, for process-set requests
+        self._signature = (op_type, dtype, shape, reduce_op, prescale, postscale, root, splits)
 
     def signature(self) -> tuple:
         """Everything that must match for a cached response to be reused by this rank."""
-        return (self.op_type, self.dtype, self.shape, self.reduce_op, self.prescale,
-                self.postscale, self.root, self.splits)
+        return self._signature
+
+    def __getstate__(self):
+        return tuple(getattr(self, k) for k in self.__slots__)
+
+    def __setstate__(self, state):
+        for k, v in zip(self.__slots__, state):
+            setattr(self, k, v)
+
+    def __repr__(self) -> str:
+        return f"Request({self.name!r}, {OpType(self.op_type).name}, rank={self.rank})"
 
 
 @dataclass

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from aiak_training.common.engine import Engine, ProcessSetState, TensorEntry
 
 _SCALED_UNPACK = (DataType.FLOAT32, DataType.FLOAT64)
+_ITEMSIZE_BY_CODE = {int(k): v for k, v in ITEMSIZE.items()}
 
 
 def _buf(addr: int, count: int, dtype: DataType) -> list:
@@ -76,17 +77,21 @@ class Executor:
                         self._activity(responses[j], "ALLREDUCE")
                     j += 1
                 self._allreduce(state, group)
+                self.engine._notify_completions()
                 i = j
                 continue
             {OpType.ALLGATHER: self._allgather, OpType.BROADCAST: self._broadcast,
              OpType.ALLTOALL: self._alltoall,
              OpType.REDUCESCATTER: self._reducescatter}[resp.op_type](state, resp)
             i += 1
+            # Wake waiters as each bucket lands, so the caller can use it while the rest of
+            # the cycle's buckets are still being reduced.
+            self.engine._notify_completions()
         self._zeros_keep.clear()
 
     @staticmethod
     def _nbytes(resp: Response) -> int:
-        return _prod(resp.shapes[0][0]) * ITEMSIZE[DataType(resp.dtype)]
+        return _prod(resp.shapes[0][0]) * _ITEMSIZE_BY_CODE[resp.dtype]
 
     @staticmethod
     def _fusable(a: Response, b: Response) -> bool:
@@ -157,10 +162,12 @@ class Executor:
         entries = [self._entry(state, r) for r in group]
         names = [r.names[0] for r in group]
         zero_copy = self.engine.config.zero_copy_bytes
-        packed = [e for e in entries if e.nbytes < zero_copy] if len(entries) > 1 else []
-        if len(packed) == 1:
+        packed, in_place = [], []
+        for e in entries:
+            (packed if e.nbytes < zero_copy else in_place).append(e)
+        if len(packed) == 1:  # a lone small tensor gains nothing from the fusion buffer
+            in_place += packed
             packed = []
-        in_place = [e for e in entries if not any(e is p for p in packed)]
         for e in in_place:
             self._allreduce_in_place(state, e, dtype, op, pre, post)
         if packed:
