@@ -47,21 +47,14 @@ _noname_lock = threading.Lock()
 
 
 def init(comm=None, process_sets=None) -> None:
-    """A function that initializes Horovod.
-
-    Args:
-      comm: One of these possibilities:
-        1) List specifying ranks for the communicator, relative to the MPI_COMM_WORLD
-          communicator.
-        2) None: Use all ranks of MPI_COMM_WORLD.
-        3) MPI communicator to use. Given communicator will be duplicated.
-      process_sets: Either None, a list of ProcessSet objects, or "dynamic".
-    """
     if _basics.is_initialized():
         return
     _basics.init(comm, process_sets)
     _handle_map.clear()
     _noname.clear()
+
+
+init.__doc__ = _basics.init.__doc__
 
 
 def handle_average_backwards_compatibility(op: Optional[int], average: Optional[bool]) -> int:
