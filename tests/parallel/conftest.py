@@ -13,4 +13,7 @@ def hvd_session():
     import aiak_training.torch as hvd
     hvd.init()
     yield hvd
+    # As Horovod's tearDown: no rank shuts down (which stops every rank's engine) while
+    # another is still running tests.
+    hvd.barrier()
     hvd.shutdown()
