@@ -18,6 +18,28 @@ Ratios (above 1 means aiak-training is better):
   vs_gloo_ddp_buckets       torch.distributed Gloo all_reduce over the same gradient set
                             packed in 25 MiB buckets (what DDP does, averaging included),
                             divided by hvd.grouped_allreduce_ time. Target >= 1.0.
+
+Algorithm mode (--algos): times the allreduce algorithms of aiak_training.allreduce directly
+(exactly what the engine calls on a fused buffer), one fp32 buffer per size, interleaved
+A B C A B C after warm-up, on an emulated cluster, e.g.::
+
+    python -m aiak_training.testing.cluster --nodes 2 --ranks-per-node 2 --rate 1gbit -- \
+        sh -c 'mpiexec -n 4 python benchmarks/allreduce_bench.py \
+               --algos flat,horovod-hier,aiak-hier --json hier_1gbit.json \
+               --plot benchmarks/hier_plot_1gbit.png'
+
+Ratios of this mode (above 1 means aiak-hier is faster); SUFFIX is --ratio-suffix, by default
+"" on a 1 Gbit/s cluster and "_<N>gbit" on others (from AIAK_CLUSTER_NOMINAL_GBIT):
+
+  hier_vs_flat_64MB<SUFFIX>           flat time / aiak-hier time for a 64 MiB buffer.
+                                      Target >= 1.35 at 1 Gbit/s on 2x2 (bytes bound 1.5);
+                                      no regression beyond noise at 5 Gbit/s.
+  hier_vs_horovod_hier_64MB<SUFFIX>   horovod-hier time / aiak-hier time, 64 MiB.
+                                      Target >= 1.10 at 1 Gbit/s on 2x2.
+
+Each result row is one (algorithm, size): params hold bytes, inner (calls per timed sample;
+small sizes repeat the call so a sample is long enough to time) and busbw_gbs, the median's
+bus bandwidth in GB/s: bytes / time * 2 (p - 1) / p, as nccl-tests reports it.
 """
 import argparse
 import math
@@ -47,12 +69,24 @@ def parse_args():
     p.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed baseline")
     p.add_argument("--layout", help="layout string for the JSON header, e.g. 2x2")
     p.add_argument("--link-gbit", type=float, default=None)
+    p.add_argument("--algos", help="algorithm mode: comma-separated algorithms to compare, "
+                   "e.g. flat,horovod-hier,aiak-hier (see above)")
+    p.add_argument("--sizes", default="4K,16K,64K,256K,1M,4M,16M,64M,256M",
+                   help="algorithm mode: buffer sizes in bytes (K/M/G suffixes allowed)")
+    p.add_argument("--big-reps", type=int, default=5,
+                   help="algorithm mode: timed reps for sizes >= 32 MiB (--reps for smaller)")
+    p.add_argument("--plot", metavar="PNG", help="algorithm mode: plot bus bandwidth vs size")
+    p.add_argument("--ratio-suffix", default=None,
+                   help="algorithm mode: suffix of the ratio keys (default: from the link rate)")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
     torch.set_num_threads(1)
+    if args.algos:
+        run_algorithms(args)
+        return
     hvd.init()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -143,6 +177,129 @@ def main():
     if not args.no_gloo:
         dist.destroy_process_group()
     hvd.shutdown()
+
+
+# ---- algorithm mode (--algos) ----------------------------------------------------------------
+def _parse_size(text: str) -> int:
+    from aiak_training.allreduce._util import parse_bytes
+    value = parse_bytes(text)
+    if value is None or value <= 0:
+        raise SystemExit(f"--sizes: cannot read {text!r}")
+    return value
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def run_algorithms(args) -> None:
+    """Time each algorithm of --algos at each of --sizes; rank 0 reports (see --help)."""
+    from aiak_training.allreduce import close_algorithm, create_algorithm
+    from aiak_training.common.dtypes import DataType, ReduceOp
+    from aiak_training.common.topology import build_topology
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    topo = build_topology(comm)
+    names = [a.strip() for a in args.algos.split(",") if a.strip()]
+    sizes = [_parse_size(x) for x in args.sizes.split(",") if x.strip()]
+    algos = {n: create_algorithm(n, topo) for n in names}
+    # Zeros stay zeros under repeated in-place sums (no overflow, no denormals); fill() touches
+    # every page so no run pays first-touch faults.
+    buf = np.empty(max(sizes) // 4 + 1, dtype=np.float32)
+    buf.fill(0.0)
+    addr = buf.ctypes.data
+    results, med = [], {}
+    for nbytes in sizes:
+        count = nbytes // 4
+        # Repeat small calls inside one sample so that it lasts about 20 ms or more.
+        inner = max(1, min(200, (2 << 20) // nbytes))
+        reps = args.reps if nbytes < (32 << 20) else args.big_reps
+        warmup = args.warmup if nbytes < (32 << 20) else 1
+
+        def variant(algo):
+            def run():
+                def body():
+                    for _ in range(inner):
+                        algo(topo, addr, count, DataType.FLOAT32, ReduceOp.SUM)
+                return timed(body, comm.Barrier) / inner
+            return run
+
+        times = interleave({n: variant(a) for n, a in algos.items()}, reps, warmup)
+        for n, samples in times.items():
+            row = summarize(f"{n}@{_human(nbytes).replace(' ', '')}",
+                            {"algo": n, "bytes": nbytes, "dtype": "float32", "inner": inner},
+                            samples)
+            t = row["median_s"]
+            row["params"]["busbw_gbs"] = nbytes / t * 2 * (size - 1) / size / 1e9
+            results.append(row)
+            med[(n, nbytes)] = t
+        if rank == 0:
+            cells = "  ".join(f"{n} {med[(n, nbytes)] * 1e3:9.3f} ms" for n in names)
+            print(f"# {_human(nbytes):>8}: {cells}", flush=True)
+    for a in algos.values():
+        close_algorithm(a)
+
+    suffix = args.ratio_suffix
+    nominal = os.environ.get("AIAK_CLUSTER_NOMINAL_GBIT")
+    if suffix is None:
+        suffix = "" if nominal in (None, "1") else f"_{nominal}gbit"
+    ratios = {}
+    big = 64 << 20
+    if ("aiak-hier", big) in med:
+        if ("flat", big) in med:
+            ratios[f"hier_vs_flat_64MB{suffix}"] = med[("flat", big)] / med[("aiak-hier", big)]
+        if ("horovod-hier", big) in med:
+            ratios[f"hier_vs_horovod_hier_64MB{suffix}"] = (med[("horovod-hier", big)]
+                                                            / med[("aiak-hier", big)])
+    layout = args.layout or (f"{topo.num_nodes}x{topo.node_sizes[0]}" if topo.is_homogeneous
+                             else "+".join(str(n) for n in topo.node_sizes))
+    link = args.link_gbit
+    if link is None and os.environ.get("AIAK_CLUSTER_LINK_GBIT"):
+        link = float(os.environ["AIAK_CLUSTER_LINK_GBIT"])
+    if rank == 0:
+        machine = machine_info(size, layout, link)
+        if nominal:
+            machine["link_nominal_gbit"] = float(nominal)
+        report("allreduce_bench --algos", machine, results, ratios, args.json)
+        if args.plot:
+            _plot(args.plot, names, sizes, results, machine)
+    topo.free()
+
+
+def _plot(path: str, names, sizes, results, machine) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for n in names:
+        rows = sorted((r for r in results if r["params"]["algo"] == n),
+                      key=lambda r: r["params"]["bytes"])
+        ax.plot([r["params"]["bytes"] for r in rows], [r["params"]["busbw_gbs"] for r in rows],
+                marker="o", label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([_human(x).replace(" ", "") for x in sizes], rotation=45)
+    ax.set_xlabel("buffer size (fp32)")
+    ax.set_ylabel("bus bandwidth, GB/s (bytes/t x 2(p-1)/p)")
+    link = machine.get("link_gbit")
+    title = f"allreduce, {machine['layout']} ranks"
+    if link:
+        title += f", {machine.get('link_nominal_gbit', link):g} Gbit/s link (measured {link:.3g})"
+        # Not a ceiling: busbw assumes a flat ring, so a 2-level algorithm on N nodes of l
+        # ranks can reach link * (p-1)/p / ((N-1)/N) (1.5x on 2x2).
+        ax.axhline(link / 8, color="grey", ls=":", lw=1, label="measured link rate")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _free_port() -> int:

@@ -6,8 +6,17 @@ Signature of every algorithm::
 
 ``addr`` is the raw address of ``count`` elements of ``dtype``.  Average is reduced as Sum;
 the engine applies the scale factors.
+
+* ``flat`` (flat.py): the MPI library's allreduce on the whole communicator.
+* ``horovod-hier`` (horovod_hier.py): Horovod's hierarchical algorithm, the baseline.
+* ``aiak-hier`` (aiak_hier.py): pipelined, shared-memory hierarchical allreduce.
+
+:func:`select_algorithm` turns ``AIAK_ALLREDUCE_ALGO`` / ``HOROVOD_HIERARCHICAL_ALLREDUCE`` and
+the topology into one of them; :func:`create_algorithm` builds one by name (tests and
+benchmarks use it directly).
 """
-from typing import Callable
+import logging
+from typing import Callable, Tuple
 
 from aiak_training.allreduce.flat import flat_allreduce
 from aiak_training.common.config import Config
@@ -16,9 +25,106 @@ from aiak_training.common.topology import Topology
 
 Algorithm = Callable[[Topology, int, int, DataType, ReduceOp], None]
 
-ALGORITHMS = {"flat": flat_allreduce}
+#: Names accepted by :func:`create_algorithm`.
+ALGORITHMS = ("flat", "horovod-hier", "aiak-hier")
+
+log = logging.getLogger("aiak_training")
+
+
+def resolve_algorithm(config: Config, topology: Topology, is_global: bool) -> Tuple[str, str]:
+    """(algorithm name, why) for a process set.  Pure: depends only on the settings and the
+    topology, which every rank of the set sees identically.
+
+    Rules:
+
+    * process sets other than the global one use ``flat`` (their ranks need not form whole
+      nodes, and the shared windows belong to the global set);
+    * ``AIAK_ALLREDUCE_ALGO=flat|horovod-hier|aiak-hier`` is taken as asked, except that
+    * every hierarchical choice becomes ``flat`` on a single node, or with one rank on every
+      node, where there is no second level (Horovod ignores its switch on one node, too);
+    * ``hierarchical`` means ``aiak-hier``;
+    * ``auto`` (the default) means ``aiak-hier`` when there is more than one node and more than
+      one rank on some node, ``flat`` otherwise; ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` with
+      ``auto`` asks for ``hierarchical``.  An explicit ``AIAK_ALLREDUCE_ALGO`` wins over
+      ``HOROVOD_HIERARCHICAL_ALLREDUCE``.
+    """
+    if not is_global:
+        return "flat", "process sets other than the global one use flat"
+    requested = config.allreduce_algo
+    source = f"AIAK_ALLREDUCE_ALGO={requested}"
+    if requested == "auto" and config.hierarchical_allreduce:
+        requested, source = "hierarchical", "HOROVOD_HIERARCHICAL_ALLREDUCE=1"
+    elif requested != "auto" and config.hierarchical_allreduce:
+        source += " (overrides HOROVOD_HIERARCHICAL_ALLREDUCE=1)"
+    if requested == "flat":
+        return "flat", source
+    nodes = topology.num_nodes
+    if nodes < 2:
+        return "flat", f"{source}, but there is a single node"
+    if topology.size == nodes:
+        return "flat", f"{source}, but every node has one rank"
+    if requested in ("auto", "hierarchical"):
+        return "aiak-hier", source
+    if requested in ALGORITHMS:
+        return requested, source
+    raise ValueError(f"Unknown allreduce algorithm {requested!r}.")
+
+
+def create_algorithm(name: str, topology: Topology, **options) -> Algorithm:
+    """Build algorithm ``name`` for ``topology``.  Collective over ``topology.comm`` for the
+    hierarchical ones (aiak-hier allocates its shared window).  Stateful algorithms have a
+    ``close()`` method, collective as well; ``options`` go to their constructor."""
+    if name == "flat":
+        return flat_allreduce
+    if name == "horovod-hier":
+        from aiak_training.allreduce.horovod_hier import HorovodHierAllreduce
+        return HorovodHierAllreduce(topology)
+    if name == "aiak-hier":
+        from aiak_training.allreduce.aiak_hier import (AiakHierAllreduce,
+                                                       SharedMemoryUnavailable,
+                                                       shared_memory_usable)
+        from aiak_training.allreduce.horovod_hier import HorovodHierAllreduce
+        if not shared_memory_usable(topology):
+            if topology.rank == 0:
+                log.warning("aiak-hier needs the ranks of a node to share memory, and these "
+                            "do not (HOROVOD_HOSTNAME spans machines?); using horovod-hier.")
+            return HorovodHierAllreduce(topology)
+        try:
+            return AiakHierAllreduce(topology, **options)
+        except SharedMemoryUnavailable as exc:  # the same on every rank
+            if topology.rank == 0:
+                log.warning("aiak-hier: %s; using horovod-hier. Give the ranks more shared "
+                            "memory (/dev/shm, e.g. docker --shm-size) or lower "
+                            "AIAK_HIER_CHUNK_BYTES / AIAK_HIER_SLOTS.", exc)
+            return HorovodHierAllreduce(topology)
+    raise ValueError(f"Unknown allreduce algorithm {name!r}; expected one of {ALGORITHMS}.")
+
+
+def close_algorithm(algorithm: Algorithm) -> None:
+    """Release what ``algorithm`` holds (collective for aiak-hier); a no-op for flat."""
+    close = getattr(algorithm, "close", None)
+    if close is not None:
+        close()
 
 
 def select_algorithm(config: Config, topology: Topology, is_global: bool) -> Algorithm:
-    """Pick the allreduce algorithm of a process set (the same on every rank of it)."""
-    return ALGORITHMS["flat"]
+    """Pick the allreduce algorithm of a process set (the same on every rank of it).
+
+    ``config.allreduce_algo`` is ``AIAK_ALLREDUCE_ALGO``; ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``
+    asks for the hierarchical path.  Process sets other than the global one use flat.  See
+    :func:`resolve_algorithm` for the rules.  The choice is logged at INFO on global rank 0.
+    The algorithm's resources are released by ``topology.free()``.
+    """
+    name, why = resolve_algorithm(config, topology, is_global)
+    algorithm = create_algorithm(name, topology)
+    if getattr(algorithm, "close", None) is not None:
+        topology.add_finalizer(algorithm.close)
+    if is_global and topology.rank == 0:
+        actual = getattr(algorithm, "name", "flat")
+        extra = ""
+        if actual == "aiak-hier":
+            extra = (f"; {algorithm.owners} stream(s) per node, chunk {algorithm.chunk_bytes} "
+                     f"bytes, {algorithm.slots} slots")
+        log.info("allreduce algorithm: %s (%s; %d node(s), ranks per node %s)%s", actual, why,
+                 topology.num_nodes, topology.node_sizes, extra)
+    return algorithm

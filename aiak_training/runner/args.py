@@ -5,7 +5,7 @@ import argparse
 from typing import List, Optional, Sequence
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
-ALLREDUCE_ALGOS = ("flat", "hierarchical", "auto")
+ALLREDUCE_ALGOS = ("flat", "hierarchical", "auto", "horovod-hier", "aiak-hier")
 
 # Flags horovodrun has that only make sense with its elastic driver, Gloo or LSF; they are
 # parsed so that the error names the missing feature instead of argparse's "unrecognized".

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "native/dtypes.h"
+#include "native/hier.h"
 
 namespace py = pybind11;
 using namespace aiak;
@@ -207,4 +208,5 @@ PYBIND11_MODULE(_native, m) {
         "Round a float through IEEE half (for tests).");
   m.def("bf16_roundtrip", [](float f) { return bf16_to_float(float_to_bf16(f)); },
         "Round a float through bfloat16 (for tests).");
+  register_hier(m);
 }
