@@ -23,7 +23,10 @@ except ImportError:  # pybind11 is a build requirement (pyproject.toml)
     from setuptools import Extension as Pybind11Extension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BASE_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno"]
+# -ffp-contract=off: GCC contracts a*b+c into an FMA in C++ by default, even through
+# _mm256_mul_ps/_mm256_add_ps, and only where the ISA flags allow it, so the scalar and SIMD
+# kernels would round differently.  Kernels write their FMAs explicitly.
+BASE_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-ffp-contract=off"]
 ISA_FLAGS = {
     "_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
@@ -81,8 +84,63 @@ def build_cuda_kernels(cmd) -> None:
     """Build the CUDA shared libraries with nvcc when it is present.
 
     They are plain C ABI libraries loaded with ctypes, so they need no framework headers.
+    Output: ``aiak_training/lib/libaiak_fused_cuda.so`` (in the build tree, or in the source
+    tree with ``--inplace``), from ``csrc/cuda/*.cu``, with SASS for sm_80 and sm_90 plus compute_80 PTX
+    that the driver can JIT for newer GPUs (override with ``AIAK_CUDA_ARCHS="80;90"``).  The CUDA runtime is linked
+    statically, so the library does not depend on the CUDA version torch was built with.
+    Compiling needs no GPU.  Without nvcc, or with ``AIAK_SKIP_CUDA=1``, the step is skipped
+    with a note; a failed compile is reported but does not fail the CPU build (the fused
+    optimizers then use torch ops on CUDA, and tests/test_fused_optim_cuda.py flags it).
     """
-    return None
+    if getattr(cmd, "_aiak_cuda_done", False):  # build_extension runs once per extension
+        return
+    cmd._aiak_cuda_done = True
+    sources = sorted(glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cu")))
+    if not sources:
+        return
+    if os.environ.get("AIAK_SKIP_CUDA", "") == "1":
+        print("aiak-training: AIAK_SKIP_CUDA=1, not building CUDA kernels")
+        return
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    if nvcc is None:
+        for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+            if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+                nvcc = os.path.join(home, "bin", "nvcc")
+                break
+    if nvcc is None:
+        print("aiak-training: nvcc not found, skipping the CUDA kernels "
+              "(fused optimizers will use torch ops on CUDA tensors)")
+        return
+    # setuptools clears cmd.inplace while extensions are built, so read the option itself.
+    opts = cmd.distribution.command_options.get("build_ext", {})
+    inplace = (getattr(cmd, "inplace", False) or bool(opts.get("inplace", (None, False))[1])
+               or getattr(cmd, "editable_mode", False))
+    if inplace:
+        out_dir = os.path.join(HERE, "aiak_training", "lib")
+    else:
+        out_dir = os.path.join(os.path.abspath(cmd.build_lib), "aiak_training", "lib")
+    os.makedirs(out_dir, exist_ok=True)
+    target = os.path.join(out_dir, "libaiak_fused_cuda.so")
+    headers = glob.glob(os.path.join(HERE, "csrc", "cuda", "*.h"))
+    newest = max(os.path.getmtime(f) for f in sources + headers)
+    if os.path.exists(target) and os.path.getmtime(target) >= newest and not getattr(cmd, "force", False):
+        print(f"aiak-training: {os.path.relpath(target, HERE)} is up to date")
+        return
+    archs = [a.strip() for a in os.environ.get("AIAK_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()]
+    gencode = []
+    for a in archs:
+        gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    gencode += ["-gencode", f"arch=compute_{archs[0]},code=compute_{archs[0]}"]  # PTX: JIT on newer GPUs
+    cmdline = [nvcc, "-O3", "-std=c++17", "-shared", "-cudart", "static",
+               "-Xcompiler", "-fPIC,-fvisibility=hidden", "-I", os.path.join(HERE, "csrc", "cuda"),
+               *gencode, *sources, "-o", target + ".tmp"]
+    print("aiak-training: building CUDA kernels: " + " ".join(cmdline))
+    try:
+        subprocess.run(cmdline, check=True)
+        os.replace(target + ".tmp", target)
+    except (OSError, subprocess.CalledProcessError) as err:
+        print(f"aiak-training: WARNING: building the CUDA kernels failed ({err}); "
+              "the fused optimizers will use torch ops on CUDA tensors", file=sys.stderr)
 # ------------------------------------------------------------------------------------------
 
 
@@ -97,6 +155,7 @@ def _install_requires():
 ext_modules = [_extension("aiak_training._native", "csrc/native/*.cpp")]
 if _sources("csrc/fused_optim/*.cpp"):
     ext_modules.append(_extension("aiak_training.fused_optim._cpu", "csrc/fused_optim/*.cpp"))
+if _sources("csrc/dgc/*.cpp"): ext_modules.append(_extension("aiak_training.dgc._dgc_cpu", "csrc/dgc/*.cpp"))
 
 setup(
     name="aiak-training",
@@ -112,6 +171,7 @@ setup(
     extras_require={
         "torch": ["torch>=2.1"],
         "test": ["pytest>=7", "scikit-learn>=1.0"],
+        "examples": ["scikit-learn>=1.0"],
     },
     entry_points={"console_scripts": ["aiakrun = aiak_training.runner.launch:main"]},
     zip_safe=False,

@@ -1,0 +1,221 @@
+"""FusedSGD: drop-in replacement for torch.optim.SGD (momentum, dampening, nesterov, weight
+decay, maximize).  Same layout as adam.py: a single-tensor reference path in torch ops and a
+fused multi-tensor path, side by side, behind the functional :func:`fused_sgd`."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from . import _backend as B
+from ._base import FusedOptimizerBase, to_float
+
+__all__ = ["FusedSGD", "fused_sgd"]
+
+
+def _single_tensor_sgd(
+    params: List[Tensor], grads: List[Tensor], momentum_buffers: List[Optional[Tensor]],
+    master_params: List[Optional[Tensor]], first_step: List[bool], *, weight_decay: float,
+    momentum: float, lr: float, dampening: float, nesterov: bool, maximize: bool,
+    inv_scale: Optional[float],
+) -> None:
+    """Reference SGD, one tensor at a time (mirrors torch.optim's for-loop path)."""
+    for i, param in enumerate(params):
+        grad, master = grads[i], master_params[i]
+        opmath = B.state_dtype(param.dtype)
+        if inv_scale is not None:
+            grad.copy_(grad.to(opmath) * inv_scale)
+        g = grad.to(opmath)
+        if maximize:
+            g = -g
+        p = master if master is not None else param.to(opmath)
+        if weight_decay != 0:
+            g = g.add(p, alpha=weight_decay)
+        if momentum != 0:
+            buf = momentum_buffers[i]
+            if first_step[i]:
+                buf.copy_(g)
+            else:
+                buf.mul_(momentum).add_(g, alpha=1 - dampening)
+            g = g.add(buf, alpha=momentum) if nesterov else buf
+        p.add_(g, alpha=-lr)
+        if p is not param:
+            param.copy_(p)
+
+
+def _multi_tensor_fused_sgd(
+    idx: Sequence[int], params: List[Tensor], grads: List[Tensor],
+    momentum_buffers: List[Optional[Tensor]], master_params: List[Optional[Tensor]],
+    first_step: List[bool], *, weight_decay: float, momentum: float, lr: float, dampening: float,
+    nesterov: bool, maximize: bool, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+) -> None:
+    device = params[idx[0]].device
+    buckets: Dict[Tuple[torch.dtype, bool], List[int]] = {}
+    for i in idx:
+        buckets.setdefault((params[i].dtype, master_params[i] is not None), []).append(i)
+    use_buf = momentum != 0
+    for (dtype, has_master), ids in buckets.items():
+        ps = [params[i] for i in ids]
+        numels = [p.numel() for p in ps]
+        if device.type == "cpu":
+            gs = 0.0 if grad_scale is None else to_float(grad_scale)
+            B.cpu_ext.sgd(
+                [p.data_ptr() for p in ps], [grads[i].data_ptr() for i in ids],
+                [momentum_buffers[i].data_ptr() for i in ids] if use_buf else [],
+                [master_params[i].data_ptr() for i in ids] if has_master else [],
+                [int(first_step[i]) for i in ids] if use_buf else [], numels,
+                B.DTYPE_CODES[dtype], lr, momentum, dampening, weight_decay, nesterov, maximize,
+                gs, B.num_threads())
+        else:
+            lib = B.cuda_lib()
+            gs_ptr, _gs_keep = B.scalar_ptr(grad_scale, device)
+            fi_ptr, _fi_keep = B.scalar_ptr(found_inf, device)
+            with torch.cuda.device(device):
+                rc = lib.aiak_fused_sgd_cuda(
+                    len(ids), B.int64_array(numels), B.ptr_array(ps),
+                    B.ptr_array([grads[i] for i in ids]),
+                    B.ptr_array([momentum_buffers[i] if use_buf else None for i in ids]),
+                    B.ptr_array([master_params[i] for i in ids]),
+                    B.int_array([int(first_step[i]) for i in ids]), B.DTYPE_CODES[dtype],
+                    lr, momentum, dampening, weight_decay, int(nesterov), int(maximize),
+                    gs_ptr, fi_ptr, B.cuda_stream(device))
+            B.check_cuda(rc, "aiak_fused_sgd_cuda")
+
+
+def fused_sgd(
+    params: List[Tensor], grads: List[Tensor], momentum_buffers: List[Optional[Tensor]],
+    master_params: Optional[List[Optional[Tensor]]] = None,
+    first_step: Optional[List[bool]] = None, *, weight_decay: float, momentum: float, lr: float,
+    dampening: float, nesterov: bool, maximize: bool, grad_scale: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None, use_kernels: bool = True,
+) -> None:
+    """Functional SGD over parallel lists of tensors on one device.
+
+    ``momentum_buffers`` must be allocated (state dtype) when ``momentum != 0``; entries flagged
+    in ``first_step`` are initialised from the gradient, as torch does when the buffer is None.
+    ``grad_scale``/``found_inf`` behave as in :func:`fused_adam`.
+    """
+    if not params:
+        return
+    n = len(params)
+    master_params = master_params if master_params is not None else [None] * n
+    first_step = first_step if first_step is not None else [False] * n
+    if momentum == 0:
+        momentum_buffers = [None] * n
+    device = params[0].device
+
+    def tensors_of(i: int) -> List[Tensor]:
+        ts = [params[i], grads[i]]
+        if momentum != 0:
+            ts.append(momentum_buffers[i])
+        if master_params[i] is not None:
+            ts.append(master_params[i])
+        return ts
+
+    def run_fast(idx: List[int]) -> None:
+        _multi_tensor_fused_sgd(
+            idx, params, grads, momentum_buffers, master_params, first_step,
+            weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
+            nesterov=nesterov, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+
+    def run_slow(idx: List[int]) -> None:
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        _single_tensor_sgd(
+            pick(params), pick(grads), pick(momentum_buffers), pick(master_params),
+            pick(first_step), weight_decay=weight_decay, momentum=momentum, lr=lr,
+            dampening=dampening, nesterov=nesterov, maximize=maximize,
+            inv_scale=None if grad_scale is None else 1.0 / to_float(grad_scale))
+
+    B.dispatch("SGD", device, n, tensors_of, use_kernels, found_inf, run_fast, run_slow)
+
+
+class FusedSGD(FusedOptimizerBase):
+    r"""SGD with momentum/nesterov/weight decay in fused multi-tensor kernels; drop-in for
+    :class:`torch.optim.SGD`.
+
+    Same arguments, defaults, ``param_groups`` and ``state_dict`` (``momentum_buffer`` per
+    parameter, only when ``momentum != 0``) as torch.  bf16/fp16 params keep fp32 momentum
+    buffers (and an fp32 ``master_param`` with ``master_weights=True``).  ``foreach``/``fused``
+    are accepted and stored but do not change what runs; ``differentiable=True`` is not
+    supported.  All parameters of a param group must be on one device.
+    """
+
+    _state_keys = ("momentum_buffer",)
+
+    def __init__(
+        self, params: Any, lr: Union[float, Tensor] = 1e-3, momentum: float = 0,
+        dampening: float = 0, weight_decay: Union[float, Tensor] = 0, nesterov: bool = False, *,
+        maximize: bool = False, foreach: Optional[bool] = None, differentiable: bool = False,
+        fused: Optional[bool] = None, master_weights: bool = False,
+    ) -> None:
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        if differentiable:
+            raise ValueError("FusedSGD does not support differentiable=True; use torch.optim.SGD.")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, foreach=foreach,
+                        differentiable=differentiable, fused=fused, master_weights=master_weights)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Any] = None) -> Optional[Any]:
+        """Perform a single optimization step (optionally re-evaluating ``closure``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._fused_step()
+        return loss
+
+    def _fused_step(self) -> None:
+        """Update every parameter that has a gradient (see :meth:`step`)."""
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            momentum = to_float(group["momentum"])
+            params: List[Tensor] = []
+            grads: List[Tensor] = []
+            bufs: List[Optional[Tensor]] = []
+            masters: List[Optional[Tensor]] = []
+            first: List[bool] = []
+            new_bufs: List[Tuple[Tensor, Tensor]] = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grads.append(self._check_grad(p))
+                params.append(p)
+                # Like torch, create state entries only when there is something to keep.
+                wants_master = group.get("master_weights", False) and p.dtype in B.LOW_PRECISION
+                masters.append(self._master_for(group, self.state[p], p) if wants_master else None)
+                if momentum != 0:
+                    buf = self.state[p].get("momentum_buffer")
+                    is_first = buf is None
+                    if is_first:  # torch: buf = grad.clone() on the first step
+                        buf = torch.empty_like(p, dtype=B.state_dtype(p.dtype),
+                                               memory_format=torch.preserve_format)
+                        new_bufs.append((p, buf))
+                    bufs.append(buf)
+                    first.append(is_first)
+            if not params:
+                continue
+            # A buffer enters the state only once a step has initialised it, as in torch.  With
+            # new buffers and a found_inf (GradScaler) we need to know whether this step runs;
+            # that costs one host sync, on the first step only.
+            skipped = bool(new_bufs) and found_inf is not None and to_float(found_inf) != 0.0
+            fused_sgd(
+                params, grads, bufs, masters, first, weight_decay=to_float(group["weight_decay"]),
+                momentum=momentum, lr=to_float(group["lr"]), dampening=to_float(group["dampening"]),
+                nesterov=group["nesterov"], maximize=group["maximize"], grad_scale=grad_scale,
+                found_inf=found_inf)
+            if not skipped:
+                for p, buf in new_bufs:
+                    self.state[p]["momentum_buffer"] = buf

@@ -1,0 +1,278 @@
+#!/usr/bin/env python
+"""Fused optimizer benchmark: aiak_training.fused_optim against torch.optim, one process.
+
+Follows /work/shared/BENCHMARKS.md: every variant of a case is timed in the same run,
+interleaved (A B C ... A B C ...), after warm-up steps; the median of --reps repetitions is
+reported, with a table on stdout headed by the machine and, with --json PATH, the same figures
+as JSON.
+
+Parameter sets
+  resnet50  the 161 parameter tensors of torchvision's ResNet-50 (25,557,032 params), built
+            from the architecture here (no torchvision needed).
+  large     a 1B-parameter GPT-style layout (20 layers, hidden 2048, 4x MLP, vocab 32000, so
+            ~1.07B params) with the hidden size scaled down so that it holds about
+            --large-params parameters (default 64M on CPU, 500M on CUDA): a few large
+            tensors, the bandwidth-bound case.
+
+Variants (CPU; each has its own params, grads and states; grads are fixed random values)
+  fused_adam          aiak FusedAdam (lr 1e-3, defaults)
+  torch_adam_fused    torch.optim.Adam(fused=True)
+  torch_adam_forloop  torch.optim.Adam(foreach=False)
+  fused_sgd           aiak FusedSGD(momentum=0.9)
+  torch_sgd_foreach   torch.optim.SGD(momentum=0.9, foreach=True)
+  memcpy              dst.copy_(src) of a buffer as large as Adam's four fp32 arrays
+                      (bandwidth counts bytes read + bytes written), same thread count
+  inplace_scale       dst.mul_(1.0) over that buffer (in-place read + write)
+With --device cuda: fused_adam, torch_adam_fused, torch_adam_foreach, and a device-to-device
+copy, timed with CUDA events.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import aiak_training.fused_optim as fo  # noqa: E402
+
+RATIO_HELP = """\
+ratios (a value above 1 means aiak is better; keys without a suffix are from the resnet50
+case, keys ending in _large from the large case):
+  adam_vs_torch_fused_cpu       torch Adam(fused=True) median step time / FusedAdam median
+                                step time.  Target >= 1.0.
+  adam_vs_torch_forloop_cpu     torch Adam(foreach=False) time / FusedAdam time.  Target >= 3.
+  sgd_vs_torch_foreach_cpu      torch SGD(momentum=0.9, foreach=True) time / FusedSGD time.
+                                Target >= 1.5.
+  adam_bandwidth_fraction_cpu   FusedAdam bytes/s (28 bytes per fp32 param: p, g, m, v read,
+                                p, m, v written) / memcpy bandwidth measured in the same run
+                                (2 x buffer bytes per copy).  Target >= 0.6.
+  adam_bandwidth_fraction_vs_inplace_cpu
+                                FusedAdam bytes/s / bandwidth of an in-place x.mul_(1.0)
+                                over the same buffer (8 bytes per element): a stricter
+                                ceiling, since a copy's destination costs extra write-allocate
+                                reads that the bytes count does not include.  No target.
+  adam_vs_torch_fused_cuda      (--device cuda) torch Adam(fused=True) time / FusedAdam time.
+  adam_bandwidth_fraction_cuda  (--device cuda) FusedAdam bytes/s / device-to-device copy
+                                bandwidth (and ..._vs_inplace_cuda as on CPU).
+"""
+
+ADAM_BYTES = 28  # fp32: read p, g, m, v; write p, m, v
+SGD_BYTES = 20   # fp32 momentum SGD: read p, g, buf; write p, buf
+
+
+# ---------------------------------------------------------------------------- parameter sets
+def resnet50_shapes() -> List[Tuple[int, ...]]:
+    """Parameter shapes of torchvision.models.resnet50(), in module order."""
+    shapes: List[Tuple[int, ...]] = []
+
+    def conv_bn(cin: int, cout: int, k: int) -> None:
+        shapes.append((cout, cin, k, k))
+        shapes.extend([(cout,), (cout,)])
+
+    conv_bn(3, 64, 7)
+    cin = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            conv_bn(cin, width, 1)
+            conv_bn(width, width, 3)
+            conv_bn(width, width * 4, 1)
+            if b == 0:
+                conv_bn(cin, width * 4, 1)  # downsample
+            cin = width * 4
+    shapes.extend([(1000, 2048), (1000,)])
+    return shapes
+
+
+def gpt_shapes(hidden: int, layers: int = 20, vocab: int = 32000) -> List[Tuple[int, ...]]:
+    h = hidden
+    shapes: List[Tuple[int, ...]] = [(vocab, h)]
+    for _ in range(layers):
+        shapes += [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,),
+                   (h,), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,)]
+    shapes += [(h,), (h,)]
+    return shapes
+
+
+def large_shapes(target: int) -> List[Tuple[int, ...]]:
+    """The 1B layout with the largest hidden size (multiple of 64) fitting `target` params."""
+    hidden = 64
+    while sum(math.prod(s) for s in gpt_shapes(hidden + 64)) <= target:
+        hidden += 64
+    return gpt_shapes(hidden)
+
+
+# ---------------------------------------------------------------------------------- timing
+def machine_info(device: str) -> Dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mpi = None
+    try:
+        from mpi4py import MPI
+        mpi = MPI.Get_library_version().splitlines()[0].strip()
+    except Exception:
+        pass
+    gpu = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else None
+    return {"cores": os.cpu_count(), "cpu": cpu, "gpu": gpu, "mpi": mpi,
+            "torch": torch.__version__.split("+")[0], "ranks": 1, "layout": "1x1",
+            "link_gbit": None}
+
+
+class Variant:
+    def __init__(self, name: str, fn: Callable[[], None], bytes_moved: int, params: Dict):
+        self.name, self.fn, self.bytes_moved, self.params = name, fn, bytes_moved, params
+        self.times: List[float] = []
+
+
+def make_adam_like(make_opt, shapes, device, dtype=torch.float32, seed=0):
+    """Step function of an optimizer over fresh params with fixed random grads on `device`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ps = [torch.randn(s, generator=g, device=device, dtype=dtype).requires_grad_() for s in shapes]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g, device=device, dtype=dtype) * 1e-2
+    opt = make_opt(ps)
+    return opt.step
+
+
+def run_case(case: str, shapes, args) -> List[Variant]:
+    dev = args.device
+    n = sum(math.prod(s) for s in shapes)
+    common = {"case": case, "tensors": len(shapes), "numel": n, "dtype": "float32",
+              "threads": torch.get_num_threads(), "device": dev}
+    vs: List[Variant] = []
+
+    def add(name, fn, nbytes, **extra):
+        vs.append(Variant(name, fn, nbytes, dict(common, bytes=nbytes, **extra)))
+
+    add("fused_adam", make_adam_like(lambda ps: fo.FusedAdam(ps, lr=1e-3), shapes, dev),
+        ADAM_BYTES * n, impl="aiak FusedAdam", isa=fo.cpu_isa() if dev == "cpu" else "cuda")
+    add("torch_adam_fused", make_adam_like(lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True), shapes, dev),
+        ADAM_BYTES * n, impl="torch.optim.Adam(fused=True)")
+    if dev == "cpu":
+        add("torch_adam_forloop",
+            make_adam_like(lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False), shapes, dev),
+            ADAM_BYTES * n, impl="torch.optim.Adam(foreach=False)")
+        add("fused_sgd", make_adam_like(lambda ps: fo.FusedSGD(ps, lr=1e-3, momentum=0.9), shapes, dev),
+            SGD_BYTES * n, impl="aiak FusedSGD(momentum=0.9)")
+        add("torch_sgd_foreach",
+            make_adam_like(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True), shapes, dev),
+            SGD_BYTES * n, impl="torch.optim.SGD(momentum=0.9, foreach=True)")
+    else:
+        add("torch_adam_foreach",
+            make_adam_like(lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True), shapes, dev),
+            ADAM_BYTES * n, impl="torch.optim.Adam(foreach=True)")
+    src = torch.randn(4 * n, device=dev)
+    dst = torch.empty_like(src)
+    add("memcpy", lambda: dst.copy_(src), 2 * src.numel() * 4,
+        impl="torch copy_ (device-to-device)" if dev == "cuda" else "torch copy_")
+    # A stricter ceiling for in-place read-modify-write streams like Adam's: no write-allocate
+    # traffic for a separate destination.
+    add("inplace_scale", lambda: dst.mul_(1.0), 2 * dst.numel() * 4, impl="torch mul_ in place")
+
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    for v in vs:  # warm-up: lazy state allocation, first-touch page faults, thread pools
+        for _ in range(args.warmup):
+            v.fn()
+    sync()
+    for _ in range(args.reps):  # interleaved: A B C ... A B C ...
+        for v in vs:
+            if dev == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                v.fn()
+                end.record()
+                end.synchronize()
+                v.times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                v.fn()
+                v.times.append(time.perf_counter() - t0)
+    return vs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, epilog=RATIO_HELP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--reps", type=int, default=7, help="timed repetitions per variant (>= 5)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads (the fused CPU kernels follow it); default: torch's")
+    ap.add_argument("--large-params", type=float, default=None,
+                    help="parameter budget of the large case (default 64e6 on CPU, 5e8 on CUDA, "
+                         "so that three optimizers and the copy buffers fit in 80 GB)")
+    ap.add_argument("--cases", default="resnet50,large", help="comma-separated subset of resnet50,large")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    args = ap.parse_args()
+    if args.reps < 5:
+        ap.error("--reps must be >= 5")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but torch.cuda.is_available() is False")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.large_params is None:
+        args.large_params = 64e6 if args.device == "cpu" else 5e8
+
+    cases = {"resnet50": resnet50_shapes(), "large": large_shapes(int(args.large_params))}
+    selected = [c.strip() for c in args.cases.split(",") if c.strip()]
+    machine = machine_info(args.device)
+    results, by_key = [], {}
+    for case in selected:
+        for v in run_case(case, cases[case], args):
+            med = statistics.median(v.times)
+            by_key[(case, v.name)] = (med, v.bytes_moved)
+            results.append({"name": f"{case}/{v.name}", "params": v.params, "median_s": med,
+                            "min_s": min(v.times), "max_s": max(v.times), "reps": len(v.times)})
+            del v
+    sfx = "cpu" if args.device == "cpu" else "cuda"
+    ratios = {}
+    for case in selected:
+        tail = "" if case == "resnet50" else f"_{case}"
+
+        def med(name):
+            return by_key[(case, name)][0]
+
+        bw = lambda name: by_key[(case, name)][1] / by_key[(case, name)][0]  # noqa: E731
+        ratios[f"adam_vs_torch_fused_{sfx}{tail}"] = med("torch_adam_fused") / med("fused_adam")
+        if args.device == "cpu":
+            ratios[f"adam_vs_torch_forloop_cpu{tail}"] = med("torch_adam_forloop") / med("fused_adam")
+            ratios[f"sgd_vs_torch_foreach_cpu{tail}"] = med("torch_sgd_foreach") / med("fused_sgd")
+        ratios[f"adam_bandwidth_fraction_{sfx}{tail}"] = bw("fused_adam") / bw("memcpy")
+        ratios[f"adam_bandwidth_fraction_vs_inplace_{sfx}{tail}"] = bw("fused_adam") / bw("inplace_scale")
+
+    # ------------------------------------------------------------------------------ report
+    print("# fused_optim_bench")
+    print(f"# machine: cores={machine['cores']} cpu={machine['cpu']!r} gpu={machine['gpu']} "
+          f"mpi={machine['mpi']!r} torch={machine['torch']} ranks=1 layout=1x1")
+    print(f"# device={args.device} threads={torch.get_num_threads()} cpu_isa={fo.cpu_isa()} "
+          f"reps={args.reps} warmup={args.warmup} (interleaved; median/min/max per step)")
+    print(f"{'variant':<30} {'tensors':>7} {'params':>12} {'median ms':>10} {'min ms':>9} "
+          f"{'max ms':>9} {'GB/s':>7}")
+    for r in results:
+        p = r["params"]
+        print(f"{r['name']:<30} {p['tensors']:>7} {p['numel']:>12,} {r['median_s'] * 1e3:>10.2f} "
+              f"{r['min_s'] * 1e3:>9.2f} {r['max_s'] * 1e3:>9.2f} {p['bytes'] / r['median_s'] / 1e9:>7.2f}")
+    print("ratios (>1 = aiak better; see --help):")
+    for k, v in ratios.items():
+        print(f"  {k:<40} {v:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "fused_optim", "machine": machine, "results": results,
+                       "ratios": ratios}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

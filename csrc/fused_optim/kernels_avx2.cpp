@@ -1,0 +1,98 @@
+// AVX2 + FMA + F16C kernels (8 floats per register).  Built with -mavx2 -mfma -mf16c by
+// setup.py and only called after __builtin_cpu_supports says the machine has them.
+//
+// Nothing in this TU may emit a non-static inline function (e.g. from <cmath> or <vector>):
+// the linker could pick this AVX2 copy for the baseline TU.  Hence intrinsics and builtins only.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "fused_optim/fused_optim.h"
+#include "fused_optim/lowp.h"
+
+namespace aiak_fo {
+namespace {
+
+struct SO {
+  using T = float;
+  using V = float;
+  static constexpr int W = 1;
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V v) { *p = v; }
+  static V set1(float x) { return x; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
+  static V sqrt(V a) { return __builtin_sqrtf(a); }
+  static V max(V a, V b) { return a > b ? a : b; }
+  static V fma(V a, V b, V c) { return __builtin_fmaf(a, b, c); }
+  static V neg(V a) { return -a; }
+  static float reduce_add(V a) { return a; }
+  static V load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  static void store_bf16(uint16_t* p, V v) { *p = f32_to_bf16(v); }
+  static V load_f16(const uint16_t* p) { return _cvtsh_ss(*p); }
+  static void store_f16(uint16_t* p, V v) { *p = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+};
+
+struct VO {
+  using T = float;
+  using V = __m256;
+  static constexpr int W = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V neg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static float reduce_add(V a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+  static V load_bf16(const uint16_t* p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static void store_bf16(uint16_t* p, V v) {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    // Values fit in 16 bits, so unsigned-saturating pack is exact; fix the lane interleave.
+    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static V load_f16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store_f16(uint16_t* p, V v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+
+#include "fused_optim/kernels_impl.h"
+
+KernelTable make_table() {
+  KernelTable t;
+  std::memset(&t, 0, sizeof(t));
+  t.name = "avx2";
+  fill_float_entries(t);
+  return t;
+}
+
+}  // namespace
+
+const KernelTable* avx2_table() {
+  static const KernelTable table = make_table();
+  return &table;
+}
+
+}  // namespace aiak_fo

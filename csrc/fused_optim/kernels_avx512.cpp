@@ -1,0 +1,107 @@
+// AVX-512 (F/BW/VL/DQ) kernels, 16 floats per register.  Built with AVX-512 flags by
+// setup.py and only called after __builtin_cpu_supports says the machine has them.
+// Same rule as kernels_avx2.cpp: intrinsics and builtins only, no non-static inline code.
+// GCC 12's AVX-512 headers build many intrinsics on _mm512_undefined_*(), which trips
+// -W(maybe-)uninitialized false positives (GCC bug 105593); silence them for this TU only.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "fused_optim/fused_optim.h"
+#include "fused_optim/lowp.h"
+
+namespace aiak_fo {
+namespace {
+
+struct SO {
+  using T = float;
+  using V = float;
+  static constexpr int W = 1;
+  static V load(const float* p) { return *p; }
+  static void store(float* p, V v) { *p = v; }
+  static V set1(float x) { return x; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
+  static V div(V a, V b) { return a / b; }
+  static V sqrt(V a) { return __builtin_sqrtf(a); }
+  static V max(V a, V b) { return a > b ? a : b; }
+  static V fma(V a, V b, V c) { return __builtin_fmaf(a, b, c); }
+  static V neg(V a) { return -a; }
+  static float reduce_add(V a) { return a; }
+  static V load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  static void store_bf16(uint16_t* p, V v) { *p = f32_to_bf16(v); }
+  static V load_f16(const uint16_t* p) { return _cvtsh_ss(*p); }
+  static void store_f16(uint16_t* p, V v) { *p = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+};
+
+struct VO {
+  using T = float;
+  using V = __m512;
+  static constexpr int W = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V sqrt(V a) { return _mm512_sqrt_ps(a); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V neg(V a) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u))));
+  }
+  static float reduce_add(V a) {
+    // Fixed pairwise order (not _mm512_reduce_add_ps, whose order is compiler-defined).  Via
+    // memory because GCC 12's 512->256 casts trip -Wuninitialized; this runs once per chunk.
+    alignas(64) float x[16];
+    _mm512_store_ps(x, a);
+    for (int w = 8; w >= 1; w /= 2) {
+      for (int i = 0; i < w; ++i) x[i] += x[i + w];
+    }
+    return x[0];
+  }
+  static V load_bf16(const uint16_t* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  }
+  static void store_bf16(uint16_t* p, V v) {
+    __m512i x = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  static V load_f16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static void store_f16(uint16_t* p, V v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+
+#include "fused_optim/kernels_impl.h"
+
+KernelTable make_table() {
+  KernelTable t;
+  std::memset(&t, 0, sizeof(t));
+  t.name = "avx512";
+  fill_float_entries(t);
+  return t;
+}
+
+}  // namespace
+
+const KernelTable* avx512_table() {
+  static const KernelTable table = make_table();
+  return &table;
+}
+
+}  // namespace aiak_fo
