@@ -39,12 +39,13 @@ DUPLICATE_NAME_MESSAGE = (
 class Handle:
     """Completion state of one submitted tensor.  Waiters sleep on the engine's condition,
     which is notified once per cycle rather than once per tensor."""
-    __slots__ = ("done", "error", "result")
+    __slots__ = ("done", "error", "result", "done_at")
 
     def __init__(self) -> None:
         self.done = False
         self.error: Optional[str] = None
         self.result = None
+        self.done_at: Optional[float] = None  # time.monotonic() at completion (statistics)
 
 
 @dataclass
@@ -253,7 +254,44 @@ class Engine:
         if h is None:
             return
         h.error, h.result = error, result
+        h.done_at = time.monotonic()
         h.done = True
+
+    def wait_any(self, handles: Sequence[int], timeout: Optional[float] = None) -> List[int]:
+        """Block until at least one of ``handles`` completes; return all of them that have,
+        in the order given.  Unlike :meth:`wait`, the handles stay registered: ``wait`` still
+        returns their results (without blocking) and clears them.  Returns ``[]`` when
+        ``handles`` is empty or ``timeout`` seconds pass first.  Raises if the engine died."""
+        hs = []
+        for hid in handles:
+            h = self._handles.get(hid)
+            if h is None:
+                raise ValueError(f"Handle {hid} was not created or has been cleared.")
+            hs.append((hid, h))
+        if not hs:
+            return []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # complete() marks a handle done before _notify_completions() takes this lock, and we
+        # test the flags while holding it, so a completion cannot slip in unnoticed.
+        with self._completed:
+            while True:
+                done = [hid for hid, h in hs if h.done]
+                if done:
+                    return done
+                if not self._thread.is_alive():
+                    raise HorovodInternalError(self._fatal or SHUT_DOWN_MESSAGE)
+                wait_s = 0.5
+                if deadline is not None:
+                    wait_s = min(wait_s, deadline - time.monotonic())
+                    if wait_s <= 0:
+                        return []
+                self._completed.wait(wait_s)
+
+    def completion_time(self, handle: int) -> Optional[float]:
+        """``time.monotonic()`` when a still-registered handle completed; None while it is
+        in flight or once it has been cleared by :meth:`wait`."""
+        h = self._handles.get(handle)
+        return None if h is None else h.done_at
 
     def _notify_completions(self) -> None:
         with self._completed:

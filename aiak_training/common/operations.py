@@ -159,21 +159,24 @@ class Executor:
         dtype, op = DataType(first.dtype), ReduceOp(first.reduce_op)
         pre = first.prescale
         post = first.postscale / state.size if op == ReduceOp.AVERAGE else first.postscale
-        entries = [self._entry(state, r) for r in group]
-        names = [r.names[0] for r in group]
         zero_copy = self.engine.config.zero_copy_bytes
         packed, in_place = [], []
-        for e in entries:
-            (packed if e.nbytes < zero_copy else in_place).append(e)
+        for r in group:
+            e = self._entry(state, r)
+            (packed if e.nbytes < zero_copy else in_place).append((r, e))
         if len(packed) == 1:  # a lone small tensor gains nothing from the fusion buffer
             in_place += packed
             packed = []
-        for e in in_place:
+        for r, e in in_place:
             self._allreduce_in_place(state, e, dtype, op, pre, post)
-        if packed:
-            self._allreduce_fused(state, packed, dtype, op, pre, post)
-        for r in group:
+            # Complete each large tensor as soon as it lands, not with the whole response:
+            # an overlapped optimizer can update it while the rest are still on the wire.
             self._finish(state, r)
+            self.engine._notify_completions()
+        if packed:
+            self._allreduce_fused(state, [e for _, e in packed], dtype, op, pre, post)
+            for r, _ in packed:
+                self._finish(state, r)
 
     def _allreduce_in_place(self, state, e, dtype, op, pre, post) -> None:
         count = e.count

@@ -1,7 +1,9 @@
 """DistributedOptimizer: averages gradients across ranks as they are produced.
 
 Hooks fire as each gradient is accumulated and start an asynchronous in-place allreduce;
-``step()`` waits for them (``synchronize()``) and then runs the wrapped optimizer.
+``step()`` waits for them (``synchronize()``) and then runs the wrapped optimizer.  With
+``overlap_update`` on, ``step()`` instead updates each bucket of parameters as soon as its
+reduction completes, while the others are still being reduced (see ``overlap.py``).
 """
 import os
 import warnings
@@ -11,6 +13,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 
 from aiak_training.common.process_sets import ProcessSet, global_process_set
+from aiak_training.torch import overlap as _overlap
 from aiak_training.torch.compression import Compression
 from aiak_training.torch.mpi_ops import (Adasum, Average, allreduce_async_,
                                          grouped_allreduce_async_, size,
@@ -28,7 +31,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
                  op=Average, gradient_predivide_factor=1.0, groups=None,
-                 sparse_as_dense=False, process_set=global_process_set):
+                 sparse_as_dense=False, process_set=global_process_set,
+                 overlap_update: Optional[bool] = None):
         super(self.__class__, self).__init__(params)
         self._compression = compression
 
@@ -91,6 +95,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         if self.process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
             self._register_hooks()
+
+        # Overlapped update (None: off).  Decided once here; each step may still fall back.
+        self._overlap: Optional[_overlap.Overlap] = None
+        if _overlap.requested(overlap_update):
+            reason, check = _overlap.Overlap.static_reason(self)
+            if reason is None:
+                self._overlap = _overlap.Overlap(check)
+            else:
+                _overlap.log_fallback_once(set(), reason)
+
+    def overlap_stats(self) -> dict:
+        """Counters of the overlapped update (``overlap_update``): steps overlapped and fallen
+        back (by reason), buckets, parameter updates, and the update time hidden behind
+        communication.  Empty when overlap is off."""
+        return {} if self._overlap is None else self._overlap.stats.as_dict()
 
     def load_state_dict(self, *args, **kwargs):
         self._handles = {}
@@ -232,11 +251,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles[p] = (handle, ctx)
         return hook
 
-    def synchronize(self) -> None:
-        if not self.process_set.included():
-            self._synchronized = True
-            return
-
+    def _submit_pending(self) -> None:
+        """Start every allreduce the hooks did not: parameters whose gradient was not produced
+        (reduced as zeros, since other ranks may have produced theirs), incomplete groups, and
+        passes that ended before ``backward_passes_per_step`` was reached."""
         completed = set()
         for x in self._handles.keys():
             completed.update(x) if isinstance(x, tuple) else completed.add(x)
@@ -264,27 +282,43 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if handle is None:
                 handle, ctx = self._allreduce_grad_async(p)
                 self._handles[p] = (handle, ctx)
-        for p, (handle, ctx) in self._handles.items():
-            if isinstance(p, tuple):
-                # This was a grouped result, need to unpack
-                outputs = synchronize(handle)
-                for gp, go, gctx in zip(p, outputs, ctx):
-                    self._allreduce_delay[gp] = self.backward_passes_per_step
-                    gp.grad.set_(self._compression.decompress(go, gctx))
+
+    def _finish_reduction(self, p, handle, ctx) -> None:
+        """Wait for one handle and put the reduced gradient(s) in place (``p`` is a parameter,
+        or a tuple of them for a grouped allreduce)."""
+        if isinstance(p, tuple):
+            # This was a grouped result, need to unpack
+            outputs = synchronize(handle)
+            for gp, go, gctx in zip(p, outputs, ctx):
+                self._allreduce_delay[gp] = self.backward_passes_per_step
+                gp.grad.set_(self._compression.decompress(go, gctx))
+        else:
+            # When handle is a callable function, it returns the aggregated tensor result
+            output = synchronize(handle) if not callable(handle) else handle()
+            self._allreduce_delay[p] = self.backward_passes_per_step
+            if p.grad.is_sparse:
+                aggregated = self._compression.decompress(output, ctx)
+                if not aggregated.is_sparse:
+                    # When sparse_as_dense=True we need to convert the grad back to sparse
+                    aggregated = aggregated.to_sparse()
+                # Sparse grads do not support set_ for some reason, so we do this as an
+                # equivalent operation
+                p.grad.zero_().add_(aggregated)
             else:
-                # When handle is a callable function, it returns the aggregated tensor result
-                output = synchronize(handle) if not callable(handle) else handle()
-                self._allreduce_delay[p] = self.backward_passes_per_step
-                if p.grad.is_sparse:
-                    aggregated = self._compression.decompress(output, ctx)
-                    if not aggregated.is_sparse:
-                        # When sparse_as_dense=True we need to convert the grad back to sparse
-                        aggregated = aggregated.to_sparse()
-                    # Sparse grads do not support set_ for some reason, so we do this as an
-                    # equivalent operation
-                    p.grad.zero_().add_(aggregated)
-                else:
-                    p.grad.set_(self._compression.decompress(output, ctx))
+                p.grad.set_(self._compression.decompress(output, ctx))
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce and put the averaged gradients in place.
+
+        Called by ``step()``; call it yourself before modifying gradients (e.g. clipping),
+        then run ``step()`` inside ``skip_synchronize()``.
+        """
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        self._submit_pending()
+        for p, (handle, ctx) in self._handles.items():
+            self._finish_reduction(p, handle, ctx)
         self._handles.clear()
 
         self._synchronized = True
@@ -310,6 +344,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        overlap = self._overlap
+        if overlap is not None:
+            overlap.stats.steps += 1
+            if not self.process_set.included() or not self._requires_update:
+                pass  # nothing is reduced here (single rank, or not in the set): plain step
+            else:
+                reason = overlap.step_reason(self, closure)
+                if reason is None:
+                    self._synchronized = False
+                    overlap.step(self, super(self.__class__, self).step)
+                    return None
+                overlap.fallback(reason)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without "
@@ -337,7 +383,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          gradient_predivide_factor=1.0,
                          num_groups=0, groups=None,
                          sparse_as_dense=False,
-                         process_set=global_process_set):
+                         process_set=global_process_set,
+                         overlap_update: Optional[bool] = None):
     """
     An optimizer that wraps another torch.optim.Optimizer, using an allreduce to
     combine gradient values before applying gradients to model weights.
@@ -394,6 +441,14 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                          convert back to sparse before applying the update.
         process_set: Gradients will only be reduced over Horovod processes belonging
                      to this process set. Defaults to the global process set.
+        overlap_update: If True, ``step()`` updates each bucket of parameters as soon as its
+                        allreduce completes, while the remaining buckets are still being
+                        reduced, with exactly the same results as the synchronous update.
+                        Steps where that cannot be exact (``synchronize()`` called first, e.g.
+                        for gradient clipping; a closure; GradScaler; step hooks; sparse
+                        gradients; FusedLAMB's global norm) fall back to the synchronous
+                        update and log why once.  Defaults to ``AIAK_OVERLAP_UPDATE``
+                        (``aiakrun --overlap-update``), else off.  See ``overlap_stats()``.
 
     Setting ``AIAK_FUSED_OPTIMIZER=1`` swaps a plain ``torch.optim`` Adam, AdamW or SGD for
     the matching ``aiak_training.fused_optim`` class before wrapping it.
@@ -421,6 +476,9 @@ def DistributedOptimizer(optimizer, named_parameters=None,
     # distributed optimizer themselves.
     factory = getattr(compression, "make_distributed_optimizer", None)
     if factory is not None:
+        if overlap_update and not _overlap.requested(None):
+            # With AIAK_OVERLAP_UPDATE set, the base __init__ logs this itself.
+            _overlap.log_fallback_once(set(), "dgc")
         return factory(optimizer, named_parameters=named_parameters,
                        backward_passes_per_step=backward_passes_per_step, op=op,
                        gradient_predivide_factor=gradient_predivide_factor,
@@ -434,8 +492,12 @@ def DistributedOptimizer(optimizer, named_parameters=None,
                dict(_DistributedOptimizer.__dict__))
     wrapped = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, groups,
-                  sparse_as_dense, process_set)
+                  sparse_as_dense, process_set, overlap_update)
     # Keep any state the wrapped optimizer already had (Horovod drops it).
     for p, s in optimizer.state.items():
         wrapped.state[p] = s
+    # cls(...) ran the optimizer's __init__ with its default arguments, so ``defaults`` holds
+    # those rather than the user's; Apex-style optimizers read options from it at step time
+    # (FusedLAMB's max_grad_norm), and add_param_group() fills new groups from it.
+    wrapped.defaults.update(optimizer.defaults)
     return wrapped
