@@ -52,6 +52,15 @@ class FP16Compressor(Compressor):
         return tensor_decompressed
 
 
+class _LazyDGC:
+    """``Compression.dgc``: the DGC compressor class, imported on first use (aiak_training.dgc
+    imports this module, so it cannot be imported here at load time)."""
+
+    def __get__(self, obj, owner):
+        from aiak_training.dgc import DGCCompressor
+        return DGCCompressor
+
+
 class Compression:
     """Optional gradient compression algorithm used during allreduce."""
 
@@ -60,3 +69,8 @@ class Compression:
 
     """Compress all floating point gradients to 16-bit."""
     fp16 = FP16Compressor
+
+    """Deep gradient compression: ``Compression.dgc(density=0.001, ...)`` (options in
+    aiak_training.dgc.DGCCompressor).  Sparsifies gradients with momentum correction and
+    exchanges (index, value) pairs; works through ``DistributedOptimizer`` only."""
+    dgc = _LazyDGC()

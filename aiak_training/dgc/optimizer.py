@@ -1,0 +1,440 @@
+"""The DGC distributed optimizer: Horovod's DistributedOptimizer with a sparse exchange.
+
+Built by :meth:`aiak_training.dgc.DGCCompressor.make_distributed_optimizer`, which
+``hvd.DistributedOptimizer(..., compression=hvd.Compression.dgc(...))`` calls.  Like Horovod's
+wrapper, the result is an instance of a class created on the fly from the wrapped optimizer's
+class, so ``isinstance(opt, type(original))`` holds; its methods are those of
+:class:`aiak_training.torch.optimizer._DistributedOptimizer`, with the ones below replacing
+them.
+
+Per step, for every *compressed* tensor (see :meth:`DGCCompressor.compresses`), on each rank:
+
+1. ``g``: the local gradient; optional local clipping (threshold ``clip_norm / sqrt(N)``) and
+   the group's weight decay, ``g += wd * w``.
+2. Momentum correction: ``u = m * u + (1 - dampening) * g`` and ``v += u`` (Nesterov:
+   ``v += g + m * u``).  ``u`` is the velocity, ``v`` the residual.  They are kept apart
+   from ``optimizer.state`` (optimizers such as Adam treat a non-empty state as
+   initialised), and appear in ``optimizer.state_dict()["state"]`` as each tensor's
+   ``dgc_velocity`` and ``dgc_residual``.
+3. Selection of the top ``ceil(density * numel)`` coordinates of ``|v|`` (sampled threshold,
+   exact refinement; :mod:`aiak_training.dgc._kernels`).
+4. Their values are sent and removed from ``v`` (with fp16 values the rounding error stays in
+   ``v``); momentum factor masking zeroes ``u`` there too.
+5. One allgather of every rank's pairs for all compressed tensors, scatter-add, then ``/ N``
+   for ``op=Average``; the result becomes ``p.grad``.
+
+The wrapped optimizer's momentum is taken over: momentum and weight decay already happened in
+steps 1-2, so ``step()`` runs the wrapped optimizer with ``momentum``, ``dampening``,
+``nesterov`` and ``weight_decay`` set to zero for the duration of the call (the param groups
+show the user's values again afterwards).  Dense tensors (1-D, small, or other dtypes) are
+allreduced as in Horovod, starting from the backward hooks, and get the same SGD momentum and
+weight decay from this wrapper, with ``momentum_buffer`` in the optimizer state as in
+``torch.optim.SGD``.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from aiak_training.common.process_sets import global_process_set
+from aiak_training.dgc import _kernels
+from aiak_training.dgc.exchange import PendingExchange, sparse_allgather_async
+from aiak_training.torch.compression import Compression
+from aiak_training.torch.mpi_ops import Average, Sum
+from aiak_training.torch.optimizer import _DistributedOptimizer
+
+# Keys of an SGD-style param group (torch.optim.SGD, aiak_training.fused_optim.FusedSGD).
+# Only such groups have their momentum taken over: other optimizers (RMSprop also has a
+# "momentum" key) mean something else by it.
+_SGD_KEYS = ("momentum", "dampening", "nesterov", "weight_decay")
+_SUSPENDED = {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
+
+
+def _is_sgd_group(group: Dict[str, Any]) -> bool:
+    return all(k in group for k in _SGD_KEYS)
+
+
+def _to_float(x: Any) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+class _DGCDistributedOptimizer(_DistributedOptimizer):
+    """Holder of the methods that replace ``_DistributedOptimizer``'s; never instantiated.
+
+    ``make_dgc_optimizer`` copies ``_DistributedOptimizer.__dict__`` and then this class's
+    ``__dict__`` into a new subclass of the wrapped optimizer's class, as Horovod does.  The
+    methods therefore reach the wrapped optimizer through ``super(self.__class__, self)`` and
+    ``_DistributedOptimizer``'s own methods through explicit ``_DistributedOptimizer.f(self)``.
+    """
+
+    def __init__(self, params, named_parameters, config, backward_passes_per_step, op,
+                 gradient_predivide_factor, process_set):
+        # Set before the base __init__: it registers the backward hooks, and _make_hook needs
+        # to know which tensors are compressed.
+        self._dgc = config
+        self._dgc_schedule = config.schedule()
+        self._dgc_step = 0
+        self._dgc_epoch: Optional[float] = None
+        self._dgc_pending: set = set()
+        self._dgc_state: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
+        self._dgc_stats: Dict[str, Any] = {}
+        self._dgc_sent: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        all_params = [p for group in params for p in group["params"]]
+        self._dgc_sparse_ids = {id(p) for p in all_params
+                                if p.requires_grad and config.compresses(p)}
+        self._dgc_defer_dense = config.clip_norm is not None and config.local_clipping
+        _DistributedOptimizer.__init__(self, params, named_parameters, Compression.none,
+                                       backward_passes_per_step, op, gradient_predivide_factor,
+                                       None, False, process_set)
+        if op not in (Average, Sum):
+            raise ValueError("DGC supports op=Average and op=Sum only.")
+
+        # A fixed order, the same on every rank: it is the order of the tensors in the packed
+        # exchange buffer and of the sampling seeds.
+        by_name = lambda p: self._parameter_names.get(p)  # noqa: E731
+        trainable = [p for group in self.param_groups for p in group["params"]
+                     if p.requires_grad]
+        self._dgc_sparse = sorted((p for p in trainable if id(p) in self._dgc_sparse_ids),
+                                  key=by_name)
+        self._dgc_dense = sorted((p for p in trainable if id(p) not in self._dgc_sparse_ids),
+                                 key=by_name)
+        # The base synchronize() handles the dense tensors; the compressed ones are ours.
+        for p in self._dgc_sparse:
+            self._requires_update.discard(p)
+        self._dgc_group_of = {p: group for group in self.param_groups for p in group["params"]}
+        self._dgc_name = f"dgc.{self._parameter_names.get(self._dgc_sparse[0])}" \
+            if self._dgc_sparse else "dgc"
+        for group in self.param_groups:
+            if _is_sgd_group(group):
+                if group.get("maximize", False):
+                    raise ValueError("DGC does not support SGD(maximize=True).")
+            elif any(id(p) in self._dgc_sparse_ids for p in group["params"]):
+                _kernels.warn_once(
+                    "dgc-not-sgd",
+                    f"DGC: {type(self).__name__} is not SGD-like, so DGC cannot take over its "
+                    "momentum; compressed tensors get local accumulation (error feedback) "
+                    "without momentum correction, and the optimizer runs unchanged.")
+        if self._dgc_sparse and not _kernels.native_available():
+            _kernels.warn_once(
+                "dgc-native",
+                "aiak_training.dgc._dgc_cpu is not built (python setup.py build_ext --inplace); "
+                f"DGC uses exact torch.topk selection instead ({_kernels.IMPORT_ERROR}).")
+
+    # ---- hooks --------------------------------------------------------------------------
+    def _make_hook(self, p):
+        if id(p) not in self._dgc_sparse_ids and not self._dgc_defer_dense:
+            return _DistributedOptimizer._make_hook(self, p)
+
+        def hook(*ignore):
+            # Compressed tensors are exchanged together, in synchronize(); with local clipping
+            # the dense ones wait there too, since the clip factor needs the whole gradient.
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate "
+                    "gradients locally.")
+            assert not p.grad.requires_grad
+            self._allreduce_delay[p] -= 1
+            self._dgc_pending.add(p)
+        return hook
+
+    # ---- hyper-parameters ---------------------------------------------------------------
+    def _dgc_hyper(self, p) -> Tuple[float, float, bool, float]:
+        """(momentum, dampening, nesterov, weight_decay) that DGC applies for ``p``."""
+        group = self._dgc_group_of[p]
+        if not _is_sgd_group(group):
+            return 0.0, 0.0, False, 0.0
+        return (_to_float(group["momentum"]), _to_float(group["dampening"]),
+                bool(group["nesterov"]), _to_float(group["weight_decay"]))
+
+    def set_epoch(self, epoch: float) -> None:
+        """Tell DGC the current epoch (fractions allowed), for an epoch-based warm-up
+        without ``steps_per_epoch``.  Call it on every rank, e.g. next to
+        ``sampler.set_epoch(epoch)``."""
+        self._dgc_epoch = float(epoch)
+
+    def dgc_density(self) -> float:
+        """The density the next exchange will use."""
+        return self._dgc_schedule(self._dgc_step, self._dgc_epoch)
+
+    def dgc_stats(self) -> Dict[str, Any]:
+        """Figures of the last exchange: ``density``, ``selected`` (pairs this rank sent),
+        ``compressed_elements``, ``sparse_bytes`` (this rank's packed segment),
+        ``dense_bytes`` (payload of the dense allreduces), ``paths`` (selection path counts,
+        see ``_kernels.select_topk``) and ``step``."""
+        return dict(self._dgc_stats)
+
+    def dgc_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """DGC's live state of parameter ``p``: ``dgc_residual`` (and ``dgc_velocity`` with
+        momentum), shaped like ``p``; empty before the first step."""
+        return self._dgc_state.get(p, {})
+
+    def dgc_sent(self) -> List[Tuple[str, torch.Tensor, torch.Tensor]]:
+        """This rank's pairs of the last exchange: ``(name, int32 indices, values)`` per
+        compressed tensor, in exchange order (values in the wire dtype)."""
+        return [(self._parameter_names.get(p), idx, vals)
+                for p, (idx, vals) in zip(self._dgc_sparse, self._dgc_sent)]
+
+    # ---- compression --------------------------------------------------------------------
+    def _dgc_compress(self, p, density: float,
+                      position: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """Momentum correction, selection and masking for one tensor; returns the pairs."""
+        cfg = self._dgc
+        m, dampening, nesterov, wd = self._dgc_hyper(p)
+        state = self._dgc_state.setdefault(p, {})
+        g = p.grad
+        if g is None:
+            g = torch.zeros_like(p)
+        elif g.is_sparse:
+            g = g.to_dense()
+        g = g.detach().reshape(-1)  # a view when contiguous
+        residual = state.get("dgc_residual")
+        if residual is None:
+            residual = state["dgc_residual"] = torch.zeros_like(
+                p, memory_format=torch.contiguous_format)
+        v = residual.view(-1)
+        u = None
+        first = False
+        if m != 0:
+            velocity = state.get("dgc_velocity")
+            if velocity is None:
+                # A momentum buffer from dense training (a checkpoint, or the one
+                # hvd.broadcast_optimizer_state creates) carries on as the velocity: it is the
+                # global momentum, the same on every rank, so the ranks' velocities still
+                # average to it.  Without one, as torch.optim.SGD does, the first velocity is
+                # the gradient itself (no dampening).
+                buf = self.state[p].pop("momentum_buffer", None) if p in self.state else None
+                if buf is not None:
+                    velocity = buf.detach().to(memory_format=torch.contiguous_format).clone()
+                else:
+                    first = True
+                    velocity = torch.empty_like(p, memory_format=torch.contiguous_format)
+                state["dgc_velocity"] = velocity
+            u = velocity.view(-1)
+        w = p.detach().reshape(-1) if wd != 0 else None
+        k = max(1, math.ceil(density * p.numel()))
+        seed = (cfg.seed * 1_000_003 + self._dgc_step) * 65_537 + position
+        idx, path = _kernels.compensate_select(
+            g.contiguous(), None if w is None else w.contiguous(), u, v, m, dampening, wd,
+            nesterov, first, k, exact=cfg.exact_topk, sample_ratio=cfg.sample_ratio, seed=seed)
+        index = idx.long()
+        values = v.index_select(0, index)
+        if cfg.fp16_values:
+            wire = values.to(torch.float16)
+            # Error feedback for the rounding, too: what fp16 could not carry stays in v.
+            v.index_copy_(0, index, values - wire.to(values.dtype))
+        else:
+            wire = values
+            v.index_fill_(0, index, 0)
+        if u is not None and cfg.momentum_masking:
+            u.index_fill_(0, index, 0)
+        return idx, wire, path
+
+    def _dgc_clip_local(self, nranks: int) -> None:
+        """Local gradient clipping (paper eq. 8): the threshold scaled by N^-1/2."""
+        params = [p for p in self._dgc_sparse + self._dgc_dense if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grad_norm_(params, self._dgc.clip_norm / math.sqrt(nranks))
+
+    # ---- synchronize / step -------------------------------------------------------------
+    def synchronize(self) -> None:
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        if self._synchronized and not self._dgc_pending:
+            # Already exchanged, and no backward since (step() after synchronize() without
+            # skip_synchronize()).  Unlike an allreduce, compressing again is not harmless:
+            # the aggregated gradient would be accumulated into the residual a second time.
+            return
+        nranks = self.process_set.size()
+        density = self.dgc_density()
+        if self._dgc_schedule.needs_epoch and self._dgc_epoch is None:
+            _kernels.warn_once(
+                "dgc-epoch",
+                "DGC: the sparsity warm-up is measured in epochs, but optimizer.set_epoch() "
+                "was not called (nor steps_per_epoch/warmup_steps given); assuming epoch 0.")
+        if self._dgc_defer_dense:
+            self._dgc_clip_local(nranks)
+
+        # Compressed tensors: select and start the one allgather before waiting for anything,
+        # so it overlaps with the dense allreduces still in flight.
+        pending: Optional[PendingExchange] = None
+        paths: Dict[int, int] = {}
+        self._dgc_sent = []
+        if self._dgc_sparse:
+            indices, values = [], []
+            for position, p in enumerate(self._dgc_sparse):
+                idx, wire, path = self._dgc_compress(p, density, position)
+                indices.append(idx)
+                values.append(wire)
+                paths[path] = paths.get(path, 0) + 1
+            self._dgc_sent = list(zip(indices, values))
+            pending = sparse_allgather_async(indices, values, name=self._dgc_name,
+                                             process_set=self.process_set)
+
+        # Dense tensors: Horovod's own path (starts what the hooks did not, waits for all).
+        _DistributedOptimizer.synchronize(self)
+
+        if pending is not None:
+            outs = []
+            for p in self._dgc_sparse:
+                if p.grad is None or p.grad.is_sparse or not p.grad.is_contiguous():
+                    p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                else:
+                    p.grad.zero_()
+                outs.append(p.grad.view(-1))
+            pending.finish(outs, scale=1.0 / nranks if self.op == Average else 1.0)
+            for p in self._dgc_sparse:
+                self._allreduce_delay[p] = self.backward_passes_per_step
+
+        if self._dgc.clip_norm is not None and not self._dgc.local_clipping:
+            params = [p for p in self._dgc_sparse + self._dgc_dense if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, self._dgc.clip_norm)
+
+        self._dgc_stats = {
+            "step": self._dgc_step,
+            "density": density,
+            "selected": sum(int(i.numel()) for i, _ in self._dgc_sent),
+            "compressed_elements": sum(p.numel() for p in self._dgc_sparse),
+            "sparse_bytes": pending.sent_bytes if pending is not None else 0,
+            "dense_bytes": sum(p.numel() * p.element_size() for p in self._dgc_dense),
+            "paths": paths,
+        }
+        self._dgc_pending.clear()
+        self._dgc_step += 1
+        self._synchronized = True
+
+    def _dgc_dense_update_direction(self) -> Dict[torch.Tensor, torch.Tensor]:
+        """Weight decay and momentum for dense tensors, as torch.optim.SGD computes them.
+
+        Sets ``p.grad`` to the update direction and returns the original gradients, which
+        ``step`` puts back after the wrapped optimizer ran.
+        """
+        originals = {}
+        for p in self._dgc_dense:
+            if p.grad is None or not _is_sgd_group(self._dgc_group_of[p]):
+                continue
+            m, dampening, nesterov, wd = self._dgc_hyper(p)
+            d = p.grad
+            if wd != 0:
+                d = d.add(p.detach(), alpha=wd)
+            if m != 0:
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = torch.clone(d).detach()
+                else:
+                    buf.mul_(m).add_(d, alpha=1 - dampening)
+                d = d.add(buf, alpha=m) if nesterov else buf
+            if d is not p.grad:
+                originals[p] = p.grad
+                p.grad = d
+        return originals
+
+    def step(self, closure=None):
+        if not self.process_set.included():
+            # Not part of the exchange: the wrapped optimizer runs on the local gradients,
+            # with its own momentum, as Horovod's DistributedOptimizer does on such ranks.
+            self._synchronized = False
+            return super(self.__class__, self).step(closure)
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without "
+                              "optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        originals = self._dgc_dense_update_direction()
+        # Momentum and weight decay already happened (DGC's velocity for compressed tensors,
+        # the lines above for dense ones): the wrapped optimizer must not apply them again.
+        suspended = []
+        for group in self.param_groups:
+            if _is_sgd_group(group):
+                suspended.append((group, {k: group[k] for k in _SUSPENDED}))
+                group.update(_SUSPENDED)
+        try:
+            return super(self.__class__, self).step(closure)
+        finally:
+            for group, saved in suspended:
+                group.update(saved)
+            for p, g in originals.items():
+                p.grad = g
+
+    def zero_grad(self, *args, **kwargs):
+        if self._dgc_pending:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
+                                 "but before optimizer.step() or optimizer.synchronize(). "
+                                 "This is prohibited as it can cause a race condition.")
+        return _DistributedOptimizer.zero_grad(self, *args, **kwargs)
+
+    # ---- checkpoints --------------------------------------------------------------------
+    def _dgc_ordered_params(self) -> List[torch.Tensor]:
+        """Parameters in the order torch numbers them in a state dict."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self):
+        """The wrapped optimizer's state dict, with each compressed tensor's ``dgc_velocity``
+        and ``dgc_residual`` added to its entry in ``"state"``, and ``"dgc": {"step",
+        "epoch"}``, the warm-up position."""
+        sd = super(self.__class__, self).state_dict()
+        state = dict(sd["state"])
+        for index, p in enumerate(self._dgc_ordered_params()):
+            if self._dgc_state.get(p):
+                # A new dict: torch's entry is the live self.state[p], not to be modified.
+                state[index] = {**state.get(index, {}), **self._dgc_state[p]}
+        sd["state"] = state
+        sd["dgc"] = {"step": self._dgc_step, "epoch": self._dgc_epoch}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("dgc", None)
+        state, dgc_parts = {}, {}
+        for index, entry in state_dict.get("state", {}).items():
+            entry = dict(entry)
+            part = {k: entry.pop(k) for k in list(entry) if k.startswith("dgc_")}
+            if part:
+                dgc_parts[index] = part
+            if entry:  # leave an entry out rather than empty: Adam & co. test len(state)
+                state[index] = entry
+        state_dict["state"] = state
+        self._dgc_pending.clear()
+        _DistributedOptimizer.load_state_dict(self, state_dict)
+        params = self._dgc_ordered_params()
+        self._dgc_state = {}
+        for index, part in dgc_parts.items():
+            p = params[int(index)]
+            self._dgc_state[p] = {k: v.to(device=p.device, dtype=p.dtype, copy=True)
+                                  for k, v in part.items()}
+        if extra is not None:
+            self._dgc_step = int(extra["step"])
+            self._dgc_epoch = None if extra["epoch"] is None else float(extra["epoch"])
+
+
+def make_dgc_optimizer(optimizer: torch.optim.Optimizer, config, named_parameters=None,
+                       backward_passes_per_step: int = 1, op: int = Average,
+                       gradient_predivide_factor: float = 1.0,
+                       process_set=global_process_set) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` like ``hvd.DistributedOptimizer`` does, with DGC (``config``)."""
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if op not in (Average, Sum):
+        raise ValueError("DGC supports op=Average and op=Sum only.")
+    namespace = dict(_DistributedOptimizer.__dict__)
+    namespace.update({k: v for k, v in _DGCDistributedOptimizer.__dict__.items()
+                      if k not in ("__dict__", "__weakref__", "__doc__", "__module__",
+                                   "__qualname__")})
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+    wrapped = cls(optimizer.param_groups, named_parameters, config, backward_passes_per_step,
+                  op, gradient_predivide_factor, process_set)
+    for p, s in optimizer.state.items():  # keep any state the optimizer already had
+        wrapped.state[p] = s
+    # cls(...) ran the optimizer's __init__ with default arguments; keep the user's defaults.
+    wrapped.defaults.update(optimizer.defaults)
+    return wrapped
