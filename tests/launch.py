@@ -1,5 +1,6 @@
 """Launching per-rank test programs from pytest."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,3 +50,18 @@ def run_ranks(nodes: Sequence[int], argv: List[str], env: Optional[Dict[str, str
     cmd = mpi_command(nodes, argv, virtual_hosts) if sum(nodes) > 1 or virtual_hosts else argv
     return subprocess.run(cmd, env=env_with(env), cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+# One pytest summary per rank: "12 passed in 3.4s", "12 passed, 2 skipped, 1 warning in ...".
+# Ranks share stdout, so two summaries can land on one line; hence no "^" anchor.
+_SUMMARY = re.compile(r"(\d+) passed(?:, \d+ (?:skipped|deselected|warnings?))* in ")
+
+
+def check_rank_summaries(stdout: str, nranks: int) -> int:
+    """Assert that every rank's pytest session passed the same number of tests (none failed);
+    return that number."""
+    summaries = _SUMMARY.findall(stdout)
+    assert len(summaries) == nranks, stdout[-4000:]
+    assert len(set(summaries)) == 1, summaries  # every rank ran the same tests
+    assert not re.search(r"\d+ failed", stdout), stdout[-4000:]
+    return int(summaries[0])

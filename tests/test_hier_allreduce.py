@@ -15,7 +15,7 @@ import pytest
 
 from aiak_training.allreduce import resolve_algorithm
 from aiak_training.common.config import Config
-from launch import REPO, env_with, run_ranks
+from launch import REPO, check_rank_summaries, env_with, run_ranks
 
 SUITE = "tests/parallel/test_allreduce_algos.py"
 # -s: the engine's INFO log line (written to stderr at init) must reach the output.
@@ -37,10 +37,7 @@ LAYOUTS = {
 
 
 def check_suite_output(out: str, nranks: int, expect_algo: str) -> None:
-    summaries = re.findall(r"(\d+) passed", out)
-    assert len(summaries) == nranks, out[-4000:]
-    assert len(set(summaries)) == 1, summaries  # every rank ran the same tests
-    assert not re.search(r"\d+ failed", out), out[-4000:]
+    check_rank_summaries(out, nranks)
     # Logged once (rank 0 only, global set only) at INFO.
     lines = re.findall(r"allreduce algorithm: (\S+)", out)
     assert lines == [expect_algo], lines
