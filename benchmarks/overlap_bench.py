@@ -13,7 +13,7 @@ two DistributedOptimizers in the same launch, timed alternately A B A B after wa
 Each timed sample is the slowest rank's iteration (barrier before and after).  Run it once on
 the emulated 2 nodes x 2 ranks cluster at 1 Gbit/s and once on one node at 2 ranks::
 
-    export HOROVOD_FUSION_THRESHOLD=16777216   # several buckets per step; see RESULTS_overlap.md
+    export HOROVOD_FUSION_THRESHOLD=16777216   # several buckets per step; see RESULTS.md
     python -m aiak_training.testing.cluster --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
         sh -c 'mpiexec -n 4 python benchmarks/overlap_bench.py --json overlap_1gbit.json'
     mpiexec -n 2 python benchmarks/overlap_bench.py --json overlap_local.json

@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only on a stale build
     raise ImportError("aiak_training._native lacks HierNode: rebuild the extension "
                       "(python setup.py build_ext --inplace).") from exc
 
-# Defaults, measured on the emulated 2x2 cluster (benchmarks/RESULTS_hier.md).
+# Defaults, measured on the emulated 2x2 cluster (benchmarks/RESULTS.md).
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_SLOTS = 4
 DEFAULT_MIN_BYTES = 0
@@ -92,7 +92,7 @@ class AiakHierAllreduce:
 
     Construction is collective over ``topology.comm`` (the window is allocated on every node
     and the ranks agree that it worked); :meth:`close` is collective over each node.
-    Arguments left as None come from the environment (``AIAK_HIER_*``, see README_SECTION.md).
+    Arguments left as None come from the environment (``AIAK_HIER_*``, see README.md).
     """
 
     name = "aiak-hier"
