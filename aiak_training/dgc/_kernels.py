@@ -11,11 +11,11 @@ the torch fallback all return the same indices; sampling only changes the cost.
 """
 from __future__ import annotations
 
-import threading
-import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from aiak_training.common.once import warn_once  # noqa: F401  (re-exported)
 
 try:
     from aiak_training.dgc import _dgc_cpu as ext  # type: ignore[attr-defined]
@@ -33,19 +33,6 @@ COMPRESSIBLE_DTYPES = (torch.float32, torch.float64)
 PATH_EXACT = 0
 PATH_FALLBACK = 4
 PATH_TORCH = -1
-
-_warned: set = set()
-_warn_lock = threading.Lock()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Warn once per process for ``key`` (per-step notices would otherwise repeat)."""
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
 
 def native_available() -> bool:
     """True when the compiled kernels are importable."""

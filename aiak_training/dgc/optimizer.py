@@ -34,7 +34,6 @@ weight decay from this wrapper, with ``momentum_buffer`` in the optimizer state 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -340,16 +339,7 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
             # with its own momentum, as Horovod's DistributedOptimizer does on such ranks.
             self._synchronized = False
             return super(self.__class__, self).step(closure)
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without "
-                              "optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training "
-                              "slowdown. You may want to consider using "
-                              "optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.")
-            self.synchronize()
-        self._synchronized = False
+        self._synchronize_for_step()
         originals = self._dgc_dense_update_direction()
         # Momentum and weight decay already happened (DGC's velocity for compressed tensors,
         # the lines above for dense ones): the wrapped optimizer must not apply them again.

@@ -14,10 +14,11 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from aiak_training.common.once import warn_once
 
 # dtype codes shared with csrc/fused_optim/fused_optim.h and csrc/cuda/aiak_fused_cuda.h
 DTYPE_CODES: Dict[torch.dtype, int] = {
@@ -37,19 +38,6 @@ except ImportError as _err:  # not built
     _CPU_IMPORT_ERROR: Optional[BaseException] = _err
 else:
     _CPU_IMPORT_ERROR = None
-
-_warned: set = set()
-_warn_lock = threading.Lock()
-
-
-def warn_once(key: str, message: str) -> None:
-    """Warn once per process for ``key`` (fallback notices would otherwise repeat every step)."""
-    with _warn_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
 
 def to_float(x: Any) -> float:
     """Python float of a hyper-parameter that may be a 1-element tensor (as torch allows)."""
@@ -295,3 +283,14 @@ def dispatch(kind: str, device: torch.device, n: int,
         if found_inf is not None and to_float(found_inf) != 0.0:
             return
         run_slow(slow)
+
+
+def kernel_buckets(params: Sequence[torch.Tensor], master_params: Sequence[Optional[torch.Tensor]],
+                   idx: Sequence[int]) -> Dict[Tuple[torch.dtype, bool], List[int]]:
+    """The positions ``idx`` grouped by (parameter dtype, has master weights): each group is
+    one kernel call."""
+    buckets: Dict[Tuple[torch.dtype, bool], List[int]] = {}
+    for i in idx:
+        buckets.setdefault((params[i].dtype, master_params[i] is not None), []).append(i)
+    return buckets
+

@@ -62,6 +62,16 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         return g
 
     # ------------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step(self, closure: Optional[Any] = None) -> Optional[Any]:
+        """Perform a single optimization step (optionally re-evaluating ``closure``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._fused_step()
+        return loss
+
     def _fused_step(self) -> None:
         """Update every parameter that has a gradient (implemented by each optimizer)."""
         raise NotImplementedError

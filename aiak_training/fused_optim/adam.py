@@ -72,10 +72,7 @@ def _multi_tensor_fused_adam(
 ) -> None:
     """One kernel call per (dtype, master-weights) bucket of the tensors at positions ``idx``."""
     device = params[idx[0]].device
-    buckets: Dict[Tuple[torch.dtype, bool], List[int]] = {}
-    for i in idx:
-        buckets.setdefault((params[i].dtype, master_params[i] is not None), []).append(i)
-    for (dtype, has_master), ids in buckets.items():
+    for (dtype, has_master), ids in B.kernel_buckets(params, master_params, idx).items():
         ps = [params[i] for i in ids]
         numels = [p.numel() for p in ps]
         if device.type == "cpu":
@@ -240,16 +237,6 @@ class FusedAdam(FusedOptimizerBase):
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
             masters.append(self._master_for(group, state, p) if masters_wanted else None)
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Any] = None) -> Optional[Any]:
-        """Perform a single optimization step (optionally re-evaluating ``closure``)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._fused_step()
-        return loss
 
     def _fused_step(self) -> None:
         """Update every parameter that has a gradient (see :meth:`step`)."""

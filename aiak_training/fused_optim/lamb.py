@@ -129,10 +129,7 @@ def _multi_tensor_fused_lamb(
     grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
 ) -> None:
     device = params[idx[0]].device
-    buckets: Dict[Tuple[torch.dtype, bool], List[int]] = {}
-    for i in idx:
-        buckets.setdefault((params[i].dtype, master_params[i] is not None), []).append(i)
-    for (dtype, has_master), ids in buckets.items():
+    for (dtype, has_master), ids in B.kernel_buckets(params, master_params, idx).items():
         ps = [params[i] for i in ids]
         numels = [p.numel() for p in ps]
         if device.type == "cpu":
@@ -279,16 +276,6 @@ class FusedLAMB(FusedOptimizerBase):
         if set_to_none is None:
             set_to_none = bool(self.defaults.get("set_grad_none", True))
         super().zero_grad(set_to_none=set_to_none)
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Any] = None) -> Optional[Any]:
-        """Perform a single optimization step (optionally re-evaluating ``closure``)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._fused_step()
-        return loss
 
     def _fused_step(self) -> None:
         """Update every parameter that has a gradient (see :meth:`step`)."""

@@ -166,16 +166,6 @@ class FusedSGD(FusedOptimizerBase):
                         differentiable=differentiable, fused=fused, master_weights=master_weights)
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Optional[Any] = None) -> Optional[Any]:
-        """Perform a single optimization step (optionally re-evaluating ``closure``)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._fused_step()
-        return loss
-
     def _fused_step(self) -> None:
         """Update every parameter that has a gradient (see :meth:`step`)."""
         grad_scale = getattr(self, "grad_scale", None)

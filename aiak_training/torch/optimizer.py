@@ -8,7 +8,7 @@ reduction completes, while the others are still being reduced (see ``overlap.py`
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional
 
 import torch
 
@@ -343,6 +343,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    def _synchronize_for_step(self) -> None:
+        """step()'s synchronize(), unless the script already called it and is inside
+        ``skip_synchronize()``."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without "
+                              "optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+
     def step(self, closure=None):
         overlap = self._overlap
         if overlap is not None:
@@ -356,16 +370,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     overlap.step(self, super(self.__class__, self).step)
                     return None
                 overlap.fallback(reason)
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without "
-                              "optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training "
-                              "slowdown. You may want to consider using "
-                              "optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.")
-            self.synchronize()
-        self._synchronized = False
+        self._synchronize_for_step()
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, *args, **kwargs):

@@ -17,27 +17,7 @@
 namespace aiak_fo {
 namespace {
 
-struct SO {
-  using T = float;
-  using V = float;
-  static constexpr int W = 1;
-  static V load(const float* p) { return *p; }
-  static void store(float* p, V v) { *p = v; }
-  static V set1(float x) { return x; }
-  static V add(V a, V b) { return a + b; }
-  static V sub(V a, V b) { return a - b; }
-  static V mul(V a, V b) { return a * b; }
-  static V div(V a, V b) { return a / b; }
-  static V sqrt(V a) { return __builtin_sqrtf(a); }
-  static V max(V a, V b) { return a > b ? a : b; }
-  static V fma(V a, V b, V c) { return __builtin_fmaf(a, b, c); }
-  static V neg(V a) { return -a; }
-  static float reduce_add(V a) { return a; }
-  static V load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
-  static void store_bf16(uint16_t* p, V v) { *p = f32_to_bf16(v); }
-  static V load_f16(const uint16_t* p) { return _cvtsh_ss(*p); }
-  static void store_f16(uint16_t* p, V v) { *p = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
-};
+#include "fused_optim/scalar_ops_f16c.h"
 
 struct VO {
   using T = float;
@@ -89,18 +69,10 @@ struct VO {
 
 #include "fused_optim/kernels_impl.h"
 
-KernelTable make_table() {
-  KernelTable t;
-  std::memset(&t, 0, sizeof(t));
-  t.name = "avx512";
-  fill_float_entries(t);
-  return t;
-}
-
 }  // namespace
 
 const KernelTable* avx512_table() {
-  static const KernelTable table = make_table();
+  static const KernelTable table = make_table("avx512");
   return &table;
 }
 

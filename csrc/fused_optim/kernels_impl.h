@@ -336,3 +336,12 @@ inline void fill_float_entries(KernelTable& t) {
   t.sumsq[kF64] = &sumsq_range<DO, DO, kF64>;
 #endif
 }
+
+// The kernel table of this translation unit, named after its ISA.
+inline KernelTable make_table(const char* name) {
+  KernelTable t;
+  std::memset(&t, 0, sizeof(t));
+  t.name = name;
+  fill_float_entries(t);
+  return t;
+}

@@ -55,18 +55,10 @@ using VO = SO;
 #include "fused_optim/kernels_impl.h"
 #undef AIAK_WITH_F64
 
-KernelTable make_table() {
-  KernelTable t;
-  std::memset(&t, 0, sizeof(t));
-  t.name = "scalar";
-  fill_float_entries(t);
-  return t;
-}
-
 }  // namespace
 
 const KernelTable* scalar_table() {
-  static const KernelTable table = make_table();
+  static const KernelTable table = make_table("scalar");
   return &table;
 }
 
