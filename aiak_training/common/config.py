@@ -14,7 +14,7 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"Environment variable {name}={value!r} is not a number.") from None
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
     return int(_env_float(name, default))
 
 
@@ -51,20 +51,20 @@ class Config:
     @classmethod
     def from_env(cls) -> "Config":
         cfg = cls(
-            fusion_threshold=_env_int("HOROVOD_FUSION_THRESHOLD", cls.fusion_threshold),
+            fusion_threshold=env_int("HOROVOD_FUSION_THRESHOLD", cls.fusion_threshold),
             cycle_time_ms=_env_float("HOROVOD_CYCLE_TIME", cls.cycle_time_ms),
-            cache_capacity=_env_int("HOROVOD_CACHE_CAPACITY", cls.cache_capacity),
+            cache_capacity=env_int("HOROVOD_CACHE_CAPACITY", cls.cache_capacity),
             stall_check_disable=env_flag("HOROVOD_STALL_CHECK_DISABLE"),
             stall_check_time_s=_env_float("HOROVOD_STALL_CHECK_TIME_SECONDS", cls.stall_check_time_s),
             stall_shutdown_time_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
                                              cls.stall_shutdown_time_s),
             timeline=os.environ.get("HOROVOD_TIMELINE") or None,
             timeline_mark_cycles=env_flag("HOROVOD_TIMELINE_MARK_CYCLES"),
-            hierarchical_allreduce=_env_int("HOROVOD_HIERARCHICAL_ALLREDUCE", 0) > 0,
+            hierarchical_allreduce=env_int("HOROVOD_HIERARCHICAL_ALLREDUCE", 0) > 0,
             allreduce_algo=os.environ.get("AIAK_ALLREDUCE_ALGO", "auto").strip().lower() or "auto",
             dynamic_process_sets=env_flag("HOROVOD_DYNAMIC_PROCESS_SETS"),
             mpi_threads_disable=env_flag("HOROVOD_MPI_THREADS_DISABLE"),
-            zero_copy_bytes=_env_int("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
+            zero_copy_bytes=env_int("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
             log_level=os.environ.get("HOROVOD_LOG_LEVEL", "WARNING").upper(),
         )
         if cfg.allreduce_algo not in ALLREDUCE_ALGOS:

@@ -24,6 +24,7 @@ from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
 from aiak_training.common.messages import OpType, Request
 from aiak_training.common.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.compression import Compression
+from aiak_training.torch import output_pool
 
 Average = int(ReduceOp.AVERAGE)
 Sum = int(ReduceOp.SUM)
@@ -223,7 +224,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     op = handle_average_backwards_compatibility(op, average)
     _check_tensor(tensor)
     src = tensor.contiguous()
-    output = torch.empty_like(src, memory_format=torch.contiguous_format)
+    output = output_pool.empty_like(src)
     return _allreduce_async([src], [output], _name("allreduce", name), op, prescale_factor,
                             postscale_factor, process_set, lambda _: output)
 
@@ -358,7 +359,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     for t in tensors:
         _check_tensor(t)
     srcs = [t.contiguous() for t in tensors]
-    outputs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in srcs]
+    outputs = [output_pool.empty_like(t) for t in srcs]
     return _allreduce_async(srcs, outputs, _group_names("grouped_allreduce", name, len(srcs)),
                             op, prescale_factor, postscale_factor, process_set,
                             lambda _: list(outputs))
@@ -602,7 +603,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     """
     _check_tensor(tensor)
     src = tensor.contiguous()
-    output = torch.empty_like(src, memory_format=torch.contiguous_format)
+    output = output_pool.empty_like(src)
     return _broadcast_async(src, output, root_rank, name, process_set, lambda _: output)
 
 

@@ -124,6 +124,24 @@ def test_allreduce_inplace_noncontiguous():
     assert torch.equal(t, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_large_out_of_place_results_reuse_pooled_memory(dtype):
+    """Results of >= 1 MiB come from the output pool: freed memory holding old values is
+    handed out again, and every result must still be exact and independent."""
+    from aiak_training.torch.output_pool import pool
+    shape = (300, 1100)  # > 1 MiB for every dtype here
+    for round_ in range(3):
+        tensors = everyone(shape, dtype, seed=40 + round_)
+        expected = reference_reduce(tensors, "sum")
+        outs = hvd.grouped_allreduce([tensors[hvd.rank()], tensors[hvd.rank()] * 2],
+                                     op=hvd.Sum, name=f"pooled.{dtype}.{round_}")
+        assert_same(outs[0], expected)
+        assert_same(outs[1], reference_reduce([t * 2 for t in tensors], "sum"))
+        assert outs[0].data_ptr() != outs[1].data_ptr()
+        del outs  # back to the pool, still holding this round's values
+    assert pool.hits > 0
+
+
 def test_allreduce_empty_and_scalar():
     out = hvd.allreduce(torch.zeros(0, 3), op=hvd.Sum, name="empty")
     assert out.shape == (0, 3)
