@@ -473,7 +473,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 def _allocator(outputs: List[Optional[torch.Tensor]], like: List[torch.Tensor]):
     def make(i: int):
         def allocate(shape):
-            outputs[i] = torch.empty(shape, dtype=like[i].dtype)
+            outputs[i] = output_pool.pool.empty(shape, like[i].dtype)
             return outputs[i].data_ptr()
         return allocate
     return make

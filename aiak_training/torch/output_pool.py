@@ -1,11 +1,11 @@
 """Reused memory for the results of out-of-place collectives.
 
-``hvd.allreduce``, ``hvd.grouped_allreduce`` and ``hvd.broadcast`` return new tensors on every
-call. Fresh memory from the system costs one page fault per 4 KiB on first touch. For a
-ResNet-50-sized gradient set (100 MB) that is more than the reduction itself: measured
-out-of-place grouped allreduce at 0.53 of a raw MPI allreduce, against 1.2 in place. Like
-torch's CUDA caching allocator, this pool keeps the memory of freed results and hands it to
-the next result of the same size, already faulted in.
+``hvd.allreduce``, ``hvd.broadcast``, ``hvd.allgather``, ``hvd.alltoall``, ``hvd.reducescatter``
+and their grouped forms return new tensors on every call. Fresh memory from the system costs one
+page fault per 4 KiB on first touch. For a ResNet-50-sized gradient set (100 MB) that is more
+than the reduction itself: measured out-of-place grouped allreduce at 0.53 of a raw MPI
+allreduce, against 1.2 in place. Like torch's CUDA caching allocator, this pool keeps the memory
+of freed results and hands it to the next result of the same size, already faulted in.
 
 A result's memory is a numpy block. ``torch.from_numpy`` keeps the block alive for as long as
 any tensor uses its storage. A ``weakref.finalize`` on the block puts it back in the pool when
