@@ -484,6 +484,10 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         if overlap_update and not _overlap.requested(None):
             # With AIAK_OVERLAP_UPDATE set, the base __init__ logs this itself.
             _overlap.log_fallback_once(set(), "dgc")
+        if groups is not None or sparse_as_dense:
+            warnings.warn("Compression.dgc exchanges each gradient on its own as sparse "
+                          "(index, value) pairs: groups= and sparse_as_dense= have no effect.",
+                          UserWarning, stacklevel=2)
         return factory(optimizer, named_parameters=named_parameters,
                        backward_passes_per_step=backward_passes_per_step, op=op,
                        gradient_predivide_factor=gradient_predivide_factor,

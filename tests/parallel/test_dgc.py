@@ -517,3 +517,13 @@ def test_compression_dgc_class_uses_defaults():
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=model.named_parameters(),
                                  compression=hvd.Compression.dgc, op=hvd.Max)
+
+
+def test_options_without_meaning_for_dgc_warn():
+    model = make_model(0, WIDE)
+    for kwargs in (dict(groups=2), dict(sparse_as_dense=True)):
+        with pytest.warns(UserWarning, match="groups= and sparse_as_dense= have no effect"):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=model.named_parameters(),
+                                     compression=hvd.Compression.dgc(), **kwargs)
+
