@@ -37,6 +37,20 @@ Ratios of this mode (above 1 means aiak-hier is faster); SUFFIX is --ratio-suffi
   hier_vs_horovod_hier_64MB<SUFFIX>   horovod-hier time / aiak-hier time, 64 MiB.
                                       Target >= 1.10 at 1 Gbit/s on 2x2.
 
+CUDA mode (--device cuda; needs a GPU, one rank per GPU), e.g. ``python
+benchmarks/allreduce_bench.py --device cuda --json gpu.json`` at 1 rank.  Ratios:
+
+  gpu_fused_vs_raw_nccl_1rank   time of one raw ncclAllReduce (our ctypes binding, straight
+                                on torch's stream) of the same total bytes, divided by the
+                                time of hvd.grouped_allreduce over the ResNet-50-shaped set
+                                of CUDA tensors, both to completion on the device.  Target
+                                >= 0.8 at 1 rank.
+  gpu_pack_bandwidth_fraction   bandwidth of the engine's fusion-buffer pack plus unpack
+                                (aiak_training.common.gpu.executor.pack / unpack over the
+                                same set, as the engine runs them: the batched-copy kernel
+                                where built; 2x the bytes) divided by that of one device-to-
+                                device copy of the whole set.  Target >= 0.7.
+
 Each result row is one (algorithm, size): params hold bytes, inner (calls per timed sample;
 small sizes repeat the call so a sample is long enough to time) and busbw_gbs, the median's
 bus bandwidth in GB/s: bytes / time * 2 (p - 1) / p, as nccl-tests reports it.
@@ -67,6 +81,8 @@ def parse_args():
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed baseline")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the GPU ratios (see above)")
     p.add_argument("--layout", help="layout string for the JSON header, e.g. 2x2")
     p.add_argument("--link-gbit", type=float, default=None)
     p.add_argument("--algos", help="algorithm mode: comma-separated algorithms to compare, "
@@ -86,6 +102,9 @@ def main():
     torch.set_num_threads(1)
     if args.algos:
         run_algorithms(args)
+        return
+    if args.device == "cuda":
+        run_cuda(args)
         return
     hvd.init()
     comm = MPI.COMM_WORLD
@@ -176,6 +195,81 @@ def main():
                ratios, args.json)
     if not args.no_gloo:
         dist.destroy_process_group()
+    hvd.shutdown()
+
+
+# ---- CUDA mode (--device cuda) ---------------------------------------------------------------
+def run_cuda(args) -> None:
+    from aiak_training.common.gpu import kernels, nccl
+    from aiak_training.common.gpu.cudart import runtime
+    from aiak_training.common.gpu.executor import FUSION_ALIGN, pack, unpack
+
+    hvd.init()
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    comm = MPI.COMM_WORLD
+    shapes = resnet50_shapes()
+    total = sum(math.prod(s) for s in shapes)
+    grads = [torch.randn(s, device=dev) for s in shapes]
+    flat = torch.randn(total, device=dev)
+    copy_dst = torch.empty_like(flat)
+    fusion = torch.empty(total + FUSION_ALIGN * len(shapes), device=dev)  # room for padding
+    outs = [torch.empty_like(g) for g in grads]
+    sizes = [g.numel() * 4 for g in grads]
+    rt = runtime()
+    lib = nccl.library()
+    raw_comm = nccl.Communicator.create(lib, comm)
+
+    def barrier():
+        torch.cuda.synchronize()
+        comm.Barrier()
+
+    def on_device(fn):
+        def run():
+            def body():
+                fn()
+                torch.cuda.synchronize()
+            return timed(body, barrier)
+        return run
+
+    stream = lambda: int(torch.cuda.current_stream().cuda_stream)  # noqa: E731
+    variants = {
+        "raw_nccl_allreduce": on_device(lambda: raw_comm.allreduce(
+            flat.data_ptr(), flat.data_ptr(), total, nccl.FLOAT32, nccl.SUM, stream())),
+        "hvd_grouped_allreduce_cuda": on_device(lambda: hvd.grouped_allreduce(grads,
+                                                                              name="rn50cuda")),
+        "d2d_copy": on_device(lambda: copy_dst.copy_(flat)),
+    }
+    # What the engine does: the batched-copy kernel where it was built, else one
+    # cudaMemcpyAsync per tensor (timed separately, for comparison).
+    batched = kernels.library() is not None
+
+    def pack_unpack(use_kernel):
+        return on_device(lambda: unpack(
+            rt, [o.data_ptr() for o in outs],
+            pack(rt, fusion.data_ptr(), [g.data_ptr() for g in grads], sizes, stream(),
+                 use_kernel, FUSION_ALIGN if use_kernel else 1), sizes, stream(), use_kernel))
+    variants["engine_pack_unpack"] = pack_unpack(batched)
+    if batched:
+        variants["memcpy_pack_unpack"] = pack_unpack(False)
+    times = interleave(variants, args.reps, args.warmup)
+    params = {"raw_nccl_allreduce": {"bytes": total * 4, "tensors": 1},
+              "hvd_grouped_allreduce_cuda": {"bytes": total * 4, "tensors": len(shapes)},
+              "d2d_copy": {"bytes": total * 4},
+              "engine_pack_unpack": {"bytes": 2 * total * 4, "tensors": len(shapes),
+                                     "batched_kernel": batched},
+              "memcpy_pack_unpack": {"bytes": 2 * total * 4, "tensors": len(shapes)}}
+    results = [summarize(k, params[k], v) for k, v in times.items()]
+    med = {r["name"]: r["median_s"] for r in results}
+    key = "gpu_fused_vs_raw_nccl_1rank" if comm.Get_size() == 1 \
+        else f"gpu_fused_vs_raw_nccl_{comm.Get_size()}ranks"
+    ratios = {key: med["raw_nccl_allreduce"] / med["hvd_grouped_allreduce_cuda"],
+              "gpu_pack_bandwidth_fraction": 2 * med["d2d_copy"] / med["engine_pack_unpack"]}
+    if comm.Get_rank() == 0:
+        gpu = f"{torch.cuda.get_device_name(dev)} (NCCL {nccl.nccl_version_text(lib)})"
+        report("allreduce_bench_cuda", machine_info(comm.Get_size(), args.layout, None, gpu=gpu),
+               results, ratios, args.json)
+    raw_comm.destroy()
     hvd.shutdown()
 
 

@@ -221,8 +221,9 @@ def test_check_build_output():
         "    [ ] DDL", "    [ ] CCL", "    [X] MPI", "    [ ] Gloo"]
     details = dict(line.strip().split(":", 1) for line in lines[19:])
     assert details["MPI library"].strip().startswith(("MPICH", "Open MPI", "Intel"))
-    assert set(details) == {"MPI library", "CUDA", "NCCL", "Native extension",
-                            "Fused optimizer (CPU)", "Fused optimizer (CUDA)", "CPU SIMD level"}
+    assert set(details) == {"MPI library", "CUDA", "NCCL", "CUDA runtime", "GPU collectives",
+                            "Native extension", "Fused optimizer (CPU)",
+                            "Fused optimizer (CUDA)", "CPU SIMD level"}
     assert details["CPU SIMD level"].strip() in ("avx512", "avx2", "baseline", "unknown") or \
         details["CPU SIMD level"].strip().startswith("baseline (")
 

@@ -27,7 +27,7 @@ Design (the C++ side is csrc/native/hier.cpp, class ``HierNode``):
   ``AIAK_HIER_MIN_BYTES`` use the MPI library's allreduce, which is faster for
   latency-bound sizes.
 """
-from typing import Optional
+from typing import Iterator, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -47,6 +47,20 @@ DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_SLOTS = 4
 DEFAULT_MIN_BYTES = 0
 DEFAULT_TIMEOUT_S = 300.0
+
+
+def chunk_spans(count: int, itemsize: int, chunk_bytes: int,
+                align: int = 1) -> Iterator[Tuple[int, int]]:
+    """(first element, element count) of each pipeline chunk of a ``count``-element buffer.
+
+    The chunking rule of this algorithm (the C++ stage applies it too): whole elements,
+    ``chunk_bytes`` per chunk, the last chunk takes the rest.  ``align`` rounds the chunk
+    length down to a multiple (the GPU variant needs chunks that split evenly over the ranks
+    of a node).
+    """
+    step = max(align, (max(1, chunk_bytes // itemsize) // align) * align)
+    for first in range(0, count, step):
+        yield first, min(step, count - first)
 
 
 def shared_memory_usable(topology: Topology) -> bool:

@@ -207,6 +207,18 @@ def nccl_built() -> int:
     return 0
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_runtime_summary() -> str:
+    """The libcudart the GPU path would use and the devices it sees, or ``not found``."""
+    try:
+        from aiak_training.common.gpu import cudart
+        rt = cudart.runtime()
+        n = rt.device_count()
+        return f"{rt.path} ({n} device{'s' if n != 1 else ''} visible)"
+    except Exception:  # noqa: BLE001 - a probe must never break the caller
+        return "not found"
+
+
 def nccl_version_string(code: int) -> str:
     """21903 -> ``2.19.3`` (NCCL >= 2.9 encodes major*10000 + minor*100 + patch)."""
     if code >= 10000:

@@ -30,6 +30,27 @@ def env_flag(name: str, default: bool = False) -> bool:
 ALLREDUCE_ALGOS = ("auto", "flat", "hierarchical", "horovod-hier", "aiak-hier")
 
 
+GPU_TRANSPORTS = ("nccl", "mpi")
+
+
+def _gpu_transport() -> str:
+    """AIAK_GPU_TRANSPORT wins; otherwise HOROVOD_GPU_OPERATIONS (or HOROVOD_GPU_ALLREDUCE, its
+    older per-op form) set to MPI asks for the MPI path."""
+    value = os.environ.get("AIAK_GPU_TRANSPORT", "").strip().lower()
+    if value:
+        if value not in GPU_TRANSPORTS:
+            raise ValueError(f"AIAK_GPU_TRANSPORT={value!r}: expected one of "
+                             f"{', '.join(GPU_TRANSPORTS)}.")
+        return value
+    for name in ("HOROVOD_GPU_OPERATIONS", "HOROVOD_GPU_ALLREDUCE"):
+        value = os.environ.get(name, "").strip().upper()
+        if value == "MPI":
+            return "mpi"
+        if value and value != "NCCL":
+            raise ValueError(f"{name}={value!r}: aiak_training supports NCCL or MPI.")
+    return "nccl"
+
+
 @dataclass
 class Config:
     fusion_threshold: int = 128 * 1024 * 1024   # HOROVOD_FUSION_THRESHOLD, bytes
@@ -47,6 +68,10 @@ class Config:
     # Tensors at least this large skip the fusion buffer and are reduced in place (no copies).
     zero_copy_bytes: int = 1024 * 1024           # AIAK_ZERO_COPY_BYTES
     log_level: str = "WARNING"                   # HOROVOD_LOG_LEVEL
+    # How CUDA tensors travel: "nccl" (default; falls back to "mpi" where NCCL cannot run)
+    # or "mpi" (staged through pinned host memory).  AIAK_GPU_TRANSPORT, or Horovod's
+    # HOROVOD_GPU_OPERATIONS=MPI.
+    gpu_transport: str = "nccl"
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -66,6 +91,7 @@ class Config:
             mpi_threads_disable=env_flag("HOROVOD_MPI_THREADS_DISABLE"),
             zero_copy_bytes=env_int("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
             log_level=os.environ.get("HOROVOD_LOG_LEVEL", "WARNING").upper(),
+            gpu_transport=_gpu_transport(),
         )
         if cfg.allreduce_algo not in ALLREDUCE_ALGOS:
             raise ValueError(f"AIAK_ALLREDUCE_ALGO={cfg.allreduce_algo!r}: expected one of "

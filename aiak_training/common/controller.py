@@ -299,6 +299,11 @@ class Controller:
                                  f"one rank sent a tensor of shape {_shape_str(first.shape)}, but "
                                  f"another rank sent a tensor of shape {_shape_str(other.shape)} "
                                  "(only the first dimension may differ).")
+            if (other.device >= 0) != (first.device >= 0):
+                return error(f"Mismatched {_OP_WORD[op]} CPU/GPU device selection on tensor "
+                             f"{name}: one rank specified device "
+                             f"{'GPU' if first.device >= 0 else 'CPU'}, but another rank "
+                             f"specified device {'GPU' if other.device >= 0 else 'CPU'}.")
             if other.reduce_op != first.reduce_op:
                 return error(f"Mismatched reduction operations on tensor {name}: one rank used "
                              f"{ReduceOp(first.reduce_op).name}, but another rank used "
@@ -321,4 +326,4 @@ class Controller:
             splits = [reqs[r].splits for r in range(self.size)]
         return Response(op, [name], dtype=first.dtype, shapes=shapes, reduce_op=first.reduce_op,
                         prescale=first.prescale, postscale=first.postscale, root=first.root,
-                        splits=splits, joined_ranks=joined)
+                        splits=splits, joined_ranks=joined, gpu=first.device >= 0)

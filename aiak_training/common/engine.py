@@ -39,13 +39,16 @@ DUPLICATE_NAME_MESSAGE = (
 class Handle:
     """Completion state of one submitted tensor.  Waiters sleep on the engine's condition,
     which is notified once per cycle rather than once per tensor."""
-    __slots__ = ("done", "error", "result", "done_at")
+    __slots__ = ("done", "error", "result", "done_at", "event")
 
     def __init__(self) -> None:
         self.done = False
         self.error: Optional[str] = None
         self.result = None
         self.done_at: Optional[float] = None  # time.monotonic() at completion (statistics)
+        # GPU ops complete when their work is enqueued: a cudaEvent recorded after it, which
+        # the consumer's stream must wait on (see aiak_training.common.gpu).
+        self.event: int = 0
 
 
 @dataclass
@@ -54,6 +57,10 @@ class TensorEntry:
 
     ``allocate(shape) -> addr`` is called on the engine thread for ops whose output shape is
     only known after negotiation (allgather, alltoall, reducescatter).
+
+    GPU tensors (``device >= 0``) carry device addresses, the raw ``cudaStream_t`` of the
+    producer and a ``cudaEvent_t`` recorded on it at submission (``ready_event``), which the
+    engine's stream waits on before it touches the tensor.
     """
     name: str
     dtype: DataType
@@ -64,6 +71,9 @@ class TensorEntry:
     handle: int = -1
     signature: Optional[tuple] = None
     keep: object = None  # references that must outlive the operation
+    device: int = -1
+    stream: int = 0
+    ready_event: int = 0
 
     @property
     def count(self) -> int:
@@ -118,6 +128,8 @@ class Engine:
         self._fatal: Optional[str] = None
         self._init_error: Optional[BaseException] = None
         self.topology: Optional[Topology] = None
+        # CUDA device for the zeros a joined rank contributes to GPU collectives (hvd.join).
+        self.join_device: int = -1
         from aiak_training.common.operations import Executor
         self.executor = Executor(self)
         self._thread = threading.Thread(target=self._run, name="aiak-engine", daemon=True)
@@ -232,6 +244,11 @@ class Engine:
             raise ValueError(f"Handle {handle} was not created or has been cleared.")
         return h.done
 
+    def handle_event(self, handle: int) -> int:
+        """The completion cudaEvent_t of a done GPU handle (0 for host ops or in flight)."""
+        h = self._handles.get(handle)
+        return h.event if h is not None and h.done else 0
+
     def wait(self, handle: int) -> Handle:
         """Block until the handle completes, then forget it.  Raises on failure."""
         h = self._handles.get(handle)
@@ -249,11 +266,12 @@ class Engine:
             raise HorovodInternalError(h.error)
         return h
 
-    def complete(self, entry: TensorEntry, error: Optional[str] = None, result=None) -> None:
+    def complete(self, entry: TensorEntry, error: Optional[str] = None, result=None,
+                 event: int = 0) -> None:
         h = self._handles.get(entry.handle)
         if h is None:
             return
-        h.error, h.result = error, result
+        h.error, h.result, h.event = error, result, event
         h.done_at = time.monotonic()
         h.done = True
 
@@ -363,6 +381,9 @@ class Engine:
             state.entries.clear()
         self._notify_completions()
         self.timeline.stop()
+        # NCCL communicators are aborted (not destroyed) unless every rank agreed to stop:
+        # a vanished peer would make a clean destroy wait forever.
+        self.executor.close(clean=self._fatal is None and reason == SHUT_DOWN_MESSAGE)
         # Free communicators only on a clean shutdown: after a failure a peer may be gone.
         if self._fatal is None:
             for state in reversed(states):
@@ -394,5 +415,6 @@ class Engine:
             return False
         for entry in list(state.entries.values()):
             self.complete(entry, error=f"Process set {set_id} was removed.")
+        self.executor.forget_set(set_id)
         state.topology.free()
         return True

@@ -33,13 +33,13 @@ class Request:
     so it is kept cheap)."""
 
     __slots__ = ("rank", "name", "op_type", "dtype", "shape", "reduce_op", "prescale",
-                 "postscale", "root", "splits", "payload", "_signature")
+                 "postscale", "root", "splits", "payload", "device", "_signature")
 
     def __init__(self, rank: int, name: str, op_type: OpType, dtype: int = 0,
                  shape: Tuple[int, ...] = (), reduce_op: int = 1, prescale: float = 1.0,
                  postscale: float = 1.0, root: int = -1,
                  splits: Optional[Tuple[int, ...]] = None,
-                 payload: Optional[Tuple[int, ...]] = None):
+                 payload: Optional[Tuple[int, ...]] = None, device: int = -1):
         self.rank = rank                # rank within the process set
         self.name = name
         self.op_type = op_type
@@ -51,7 +51,9 @@ class Request:
         self.root = root                # broadcast root, as a rank within the process set
         self.splits = splits            # alltoall send splits (rows per destination)
         self.payload = payload          # ranks, for process-set requests
-        self._signature = (op_type, dtype, shape, reduce_op, prescale, postscale, root, splits)
+        self.device = device            # CUDA device of the tensor, -1 for host memory
+        self._signature = (op_type, dtype, shape, reduce_op, prescale, postscale, root, splits,
+                           device >= 0)
 
     def signature(self) -> tuple:
         """Everything that must match for a cached response to be reused by this rank."""
@@ -85,3 +87,4 @@ class Response:
     joined_ranks: Tuple[int, ...] = ()               # ranks contributing zeros (hvd.join)
     last_joined: int = -1                            # for JOIN responses
     payload: Optional[Tuple[int, ...]] = None
+    gpu: bool = False                                # the tensors are in GPU memory

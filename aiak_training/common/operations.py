@@ -38,11 +38,66 @@ def _split_rows(rows: int, size: int) -> List[int]:
     return [base + (1 if r < extra else 0) for r in range(size)]
 
 
+def _displacements(counts: List[int]) -> List[int]:
+    return np.cumsum([0] + counts[:-1]).tolist()
+
+
+def allgather_layout(resp: Response) -> Tuple[List[int], List[int], Tuple[int, ...]]:
+    """Element counts and displacements per rank, and the output shape, of an allgather."""
+    shapes = resp.shapes[0]
+    row = _prod(shapes[0][1:])
+    counts = [s[0] * row for s in shapes]
+    return counts, _displacements(counts), (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
+
+
+def alltoall_layout(resp: Response, me: int, size: int):
+    """(send counts, send displs, recv counts, recv displs, recv rows, output shape) of this
+    rank in an alltoall, in elements."""
+    shape = resp.shapes[0][me]
+    row = _prod(shape[1:])
+    recv_rows = [resp.splits[src][me] for src in range(size)]
+    send_counts = [r * row for r in resp.splits[me]]
+    recv_counts = [r * row for r in recv_rows]
+    return (send_counts, _displacements(send_counts), recv_counts, _displacements(recv_counts),
+            recv_rows, (sum(recv_rows),) + tuple(shape[1:]))
+
+
+def reducescatter_layout(resp: Response, me: int, size: int):
+    """Element counts of every rank's block, and this rank's output shape."""
+    shape = resp.shapes[0][me]
+    rows = _split_rows(shape[0], size)
+    row = _prod(shape[1:])
+    return [r * row for r in rows], (rows[me],) + tuple(shape[1:])
+
+
+def average_postscale(resp: Response, size: int) -> float:
+    """The factor applied after the reduction: postscale, with Average's 1/size folded in."""
+    return resp.postscale / size if resp.reduce_op == ReduceOp.AVERAGE else resp.postscale
+
+
 class Executor:
     def __init__(self, engine: "Engine"):
         self.engine = engine
         self._fusion = np.empty(0, dtype=np.uint8)
         self._zeros_keep: List[np.ndarray] = []
+        self._gpu_executor = None
+
+    def _gpu(self):
+        """The GPU executor, made on the first GPU response (CPU-only jobs never load CUDA)."""
+        if self._gpu_executor is None:
+            from aiak_training.common.gpu.executor import GpuExecutor
+            self._gpu_executor = GpuExecutor(self)
+        return self._gpu_executor
+
+    def forget_set(self, set_id: int) -> None:
+        """A process set was removed: drop what the GPU path holds for it."""
+        if self._gpu_executor is not None:
+            self._gpu_executor.forget_set(set_id)
+
+    def close(self, clean: bool) -> None:
+        """The engine stops: release GPU resources (communicators, buffers, streams)."""
+        if self._gpu_executor is not None:
+            self._gpu_executor.close(clean)
 
     # ---- dispatch ----------------------------------------------------------------------
     def execute(self, state: "ProcessSetState", responses: List[Response]) -> None:
@@ -76,13 +131,18 @@ class Executor:
                         self._activity(responses[j], None)
                         self._activity(responses[j], "ALLREDUCE")
                     j += 1
-                self._allreduce(state, group)
+                if resp.gpu:
+                    self._gpu().allreduce(state, group)
+                else:
+                    self._allreduce(state, group)
                 self.engine._notify_completions()
                 i = j
                 continue
-            {OpType.ALLGATHER: self._allgather, OpType.BROADCAST: self._broadcast,
-             OpType.ALLTOALL: self._alltoall,
-             OpType.REDUCESCATTER: self._reducescatter}[resp.op_type](state, resp)
+            if resp.gpu:
+                self._gpu().single(state, resp)
+            else:
+                e = self._entry(state, resp)
+                self._finish(state, resp, result=self.run_single(state, resp, e))
             i += 1
             # Wake waiters as each bucket lands, so the caller can use it while the rest of
             # the cycle's buckets are still being reduced.
@@ -95,7 +155,7 @@ class Executor:
 
     @staticmethod
     def _fusable(a: Response, b: Response) -> bool:
-        return (b.op_type == OpType.ALLREDUCE and b.dtype == a.dtype
+        return (b.op_type == OpType.ALLREDUCE and b.gpu == a.gpu and b.dtype == a.dtype
                 and b.reduce_op == a.reduce_op and b.prescale == a.prescale
                 and b.postscale == a.postscale and b.joined_ranks == a.joined_ranks)
 
@@ -118,14 +178,17 @@ class Executor:
             return _addr
         return TensorEntry(resp.names[index], dtype, shape, addr, addr, allocate=allocate)
 
-    def _finish(self, state: "ProcessSetState", resp: Response, result=None) -> None:
+    def _finish(self, state: "ProcessSetState", resp: Response, result=None,
+                events: Optional[dict] = None) -> None:
+        """Complete a response's entries (``events``: name -> completion cudaEvent_t)."""
         timeline = self.engine.timeline
         for name in resp.names:
             entry = state.entries.pop(name, None)
             if timeline.active:
                 timeline.end(name)
             if entry is not None:
-                self.engine.complete(entry, result=result)
+                self.engine.complete(entry, result=result,
+                                     event=events.get(name, 0) if events else 0)
                 state.controller.record_executed(resp, entry.signature)
             else:
                 state.controller.record_executed(resp, None)
@@ -157,8 +220,7 @@ class Executor:
     def _allreduce(self, state: "ProcessSetState", group: List[Response]) -> None:
         first = group[0]
         dtype, op = DataType(first.dtype), ReduceOp(first.reduce_op)
-        pre = first.prescale
-        post = first.postscale / state.size if op == ReduceOp.AVERAGE else first.postscale
+        pre, post = first.prescale, average_postscale(first, state.size)
         zero_copy = self.engine.config.zero_copy_bytes
         packed, in_place = [], []
         for r in group:
@@ -179,14 +241,18 @@ class Executor:
                 self._finish(state, r)
 
     def _allreduce_in_place(self, state, e, dtype, op, pre, post) -> None:
-        count = e.count
-        if e.in_addr != e.out_addr and count:
+        if e.in_addr != e.out_addr and e.count:
             native.copy_batch([e.out_addr], [e.in_addr], [e.nbytes])
-        native.scale(e.out_addr, count, int(dtype), pre)
-        self._activity([e.name], "MPI_ALLREDUCE")
-        state.algorithm(state.topology, e.out_addr, count, dtype, op)
-        self._activity([e.name], None)
-        native.scale(e.out_addr, count, int(dtype), post)
+        self.reduce_host(state, [e.name], e.out_addr, e.count, dtype, op, pre, post)
+
+    def reduce_host(self, state, names, addr, count, dtype, op, pre, post) -> None:
+        """Allreduce ``count`` elements of host memory at ``addr`` in place, with the scale
+        factors (``post`` already includes Average's 1/size)."""
+        native.scale(addr, count, int(dtype), pre)
+        self._activity(names, "MPI_ALLREDUCE")
+        state.algorithm(state.topology, addr, count, dtype, op)
+        self._activity(names, None)
+        native.scale(addr, count, int(dtype), post)
 
     def _allreduce_fused(self, state, entries, dtype, op, pre, post) -> None:
         itemsize = ITEMSIZE[dtype]
@@ -214,14 +280,16 @@ class Executor:
         self._activity(names, None)
 
     # ---- allgather / broadcast / alltoall / reducescatter ------------------------------
-    def _allgather(self, state: "ProcessSetState", resp: Response) -> None:
-        e = self._entry(state, resp)
+    # Each runs on an entry's host addresses and returns the handle's result; the GPU path's
+    # MPI fallback runs them on staged copies.
+    def run_single(self, state: "ProcessSetState", resp: Response, e: "TensorEntry"):
+        return {OpType.ALLGATHER: self._allgather, OpType.BROADCAST: self._broadcast,
+                OpType.ALLTOALL: self._alltoall,
+                OpType.REDUCESCATTER: self._reducescatter}[resp.op_type](state, resp, e)
+
+    def _allgather(self, state: "ProcessSetState", resp: Response, e: "TensorEntry"):
         dtype = DataType(resp.dtype)
-        shapes = resp.shapes[0]
-        row = _prod(shapes[0][1:])
-        counts = [s[0] * row for s in shapes]
-        displs = np.cumsum([0] + counts[:-1]).tolist()
-        out_shape = (sum(s[0] for s in shapes),) + tuple(shapes[0][1:])
+        counts, displs, out_shape = allgather_layout(resp)
         out = e.allocate(out_shape)
         self._activity(resp, "MPI_ALLGATHER")
         if sum(counts):
@@ -229,10 +297,9 @@ class Executor:
             recv = [MPI.buffer.fromaddress(out, nbytes), (counts, displs), mpi_datatype(dtype)]
             state.comm.Allgatherv(_buf(e.in_addr, counts[state.rank], dtype), recv)
         self._activity(resp, None)
-        self._finish(state, resp, result=out_shape)
+        return out_shape
 
-    def _broadcast(self, state: "ProcessSetState", resp: Response) -> None:
-        e = self._entry(state, resp)
+    def _broadcast(self, state: "ProcessSetState", resp: Response, e: "TensorEntry"):
         dtype = DataType(resp.dtype)
         count = e.count
         if state.rank == resp.root and e.in_addr != e.out_addr and count:
@@ -241,22 +308,13 @@ class Executor:
         if count:
             state.comm.Bcast(_buf(e.out_addr, count, dtype), root=resp.root)
         self._activity(resp, None)
-        self._finish(state, resp)
+        return None
 
-    def _alltoall(self, state: "ProcessSetState", resp: Response) -> None:
-        e = self._entry(state, resp)
+    def _alltoall(self, state: "ProcessSetState", resp: Response, e: "TensorEntry"):
         dtype = DataType(resp.dtype)
-        me, size = state.rank, state.size
-        shape = resp.shapes[0][me]
-        row = _prod(shape[1:])
-        send_rows = list(resp.splits[me])
-        recv_rows = [resp.splits[src][me] for src in range(size)]
-        send_counts = [r * row for r in send_rows]
-        recv_counts = [r * row for r in recv_rows]
-        out_shape = (sum(recv_rows),) + tuple(shape[1:])
+        send_counts, sdispl, recv_counts, rdispl, recv_rows, out_shape = \
+            alltoall_layout(resp, state.rank, state.size)
         out = e.allocate(out_shape)
-        sdispl = np.cumsum([0] + send_counts[:-1]).tolist()
-        rdispl = np.cumsum([0] + recv_counts[:-1]).tolist()
         t = mpi_datatype(dtype)
         item = ITEMSIZE[dtype]
         self._activity(resp, "MPI_ALLTOALL")
@@ -264,16 +322,11 @@ class Executor:
             [MPI.buffer.fromaddress(e.in_addr, sum(send_counts) * item), (send_counts, sdispl), t],
             [MPI.buffer.fromaddress(out, sum(recv_counts) * item), (recv_counts, rdispl), t])
         self._activity(resp, None)
-        self._finish(state, resp, result=(out_shape, recv_rows))
+        return out_shape, recv_rows
 
-    def _reducescatter(self, state: "ProcessSetState", resp: Response) -> None:
-        e = self._entry(state, resp)
+    def _reducescatter(self, state: "ProcessSetState", resp: Response, e: "TensorEntry"):
         dtype, op = DataType(resp.dtype), ReduceOp(resp.reduce_op)
-        shape = resp.shapes[0][state.rank]
-        row = _prod(shape[1:])
-        rows = _split_rows(shape[0], state.size)
-        counts = [r * row for r in rows]
-        out_shape = (rows[state.rank],) + tuple(shape[1:])
+        counts, out_shape = reducescatter_layout(resp, state.rank, state.size)
         out = e.allocate(out_shape)
         src = e.in_addr
         if resp.prescale != 1.0 and e.count:
@@ -286,6 +339,5 @@ class Executor:
                                       _buf(out, counts[state.rank], dtype),
                                       recvcounts=counts, op=mpi_op(dtype, op))
         self._activity(resp, None)
-        post = resp.postscale / state.size if op == ReduceOp.AVERAGE else resp.postscale
-        native.scale(out, counts[state.rank], int(dtype), post)
-        self._finish(state, resp, result=out_shape)
+        native.scale(out, counts[state.rank], int(dtype), average_postscale(resp, state.size))
+        return out_shape

@@ -71,6 +71,8 @@ def check_build_text() -> str:
         f"    CUDA:                     {_cuda_line()}",
         f"    NCCL:                     "
         f"{build_info.nccl_version_string(nccl) if nccl else 'not found'}",
+        f"    CUDA runtime:             {_safe(build_info.cuda_runtime_summary, 'not found')}",
+        f"    GPU collectives:          {_gpu_path_line(nccl)}",
         f"    Native extension:         "
         f"[{_mark(_safe(build_info.native_extension_available, False))}] aiak_training._native",
         f"    Fused optimizer (CPU):    "
@@ -96,6 +98,21 @@ def _cuda_line() -> str:
         torch_part = f"torch {version} without CUDA"
     kernels = "built" if _safe(build_info.cuda_kernel_libraries, []) else "not built"
     return f"[{_mark(built)}] {torch_part}; aiak-training CUDA kernels {kernels}"
+
+
+def _gpu_path_line(nccl: int) -> str:
+    """Which transport CUDA tensors take (aiak_training.common.gpu), given the settings."""
+    try:
+        from aiak_training.common.config import _gpu_transport
+        wanted = _gpu_transport()
+    except ValueError as exc:
+        return f"invalid setting: {exc}"
+    if wanted == "mpi":
+        return "MPI, staged through pinned host memory (asked for)"
+    if nccl:
+        return ("NCCL (MPI staging where ranks share a GPU or NCCL cannot express an op; "
+                "AIAK_GPU_TRANSPORT=mpi forces it)")
+    return "MPI, staged through pinned host memory (NCCL not found)"
 
 
 def _cuda_libs_line() -> str:

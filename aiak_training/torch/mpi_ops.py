@@ -24,6 +24,7 @@ from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
 from aiak_training.common.messages import OpType, Request
 from aiak_training.common.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.compression import Compression
+from aiak_training.torch import cuda as _cuda
 from aiak_training.torch import output_pool
 
 Average = int(ReduceOp.AVERAGE)
@@ -42,6 +43,8 @@ _DTYPES = {
 
 # handle -> function turning the engine's result into the user's return value
 _handle_map: Dict[int, Callable[[Any], Any]] = {}
+# user handle of a CUDA operation -> all its engine handles (poll also asks the device)
+_gpu_handles: Dict[int, List[int]] = {}
 # Auto-generated names count per process set: they must agree among a set's members only.
 _noname: Dict[int, "itertools.count"] = {}
 _noname_lock = threading.Lock()
@@ -81,9 +84,9 @@ def _dtype(tensor: torch.Tensor) -> DataType:
 def _check_tensor(tensor: torch.Tensor) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"Expected a torch.Tensor, got {type(tensor).__name__}.")
-    if tensor.device.type != "cpu":
-        raise ValueError(f"Tensor device {tensor.device} is not supported yet: aiak_training "
-                         "currently reduces CPU tensors only.")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"Tensor device {tensor.device} is not supported: aiak_training "
+                         "works on CPU and CUDA tensors.")
     if tensor.is_sparse:
         raise ValueError("Sparse tensors are not supported by this op; use "
                          "sparse_allreduce_async or sparse_as_dense=True.")
@@ -148,24 +151,43 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
     set_rank = _set_rank(process_set)
     for inp, _ in pairs:
         _dtype(inp)
+    on_gpu = pairs[0][0].is_cuda
+    if any(inp.is_cuda != on_gpu for inp, _ in pairs):
+        raise ValueError("A grouped operation takes tensors on one kind of device: got CPU and "
+                         "CUDA tensors mixed.")
     names = names.resolve(len(pairs), process_set.process_set_id)
-    requests, entries = [], []
+    requests, entries, streams = [], [], []
+    device = -1
     for i, ((inp, out), name) in enumerate(zip(pairs, names)):
         dt = _dtype(inp)
         shape = tuple(inp.shape)
+        stream, event = None, 0
+        if on_gpu:
+            device, stream, event = _cuda.ready(inp)
+            streams.append(stream)
         requests.append(Request(rank=set_rank, name=name, op_type=op_type, dtype=int(dt),
-                                shape=shape, **fields))
+                                shape=shape, device=device, **fields))
         entries.append(TensorEntry(name, dt, shape, inp.data_ptr(),
                                    out.data_ptr() if out is not None else 0,
-                                   allocate=allocate(i) if allocate else None,
-                                   keep=(inp, out)))
+                                   allocate=allocate(i, stream) if allocate else None,
+                                   keep=(inp, out), device=device,
+                                   stream=int(stream.cuda_stream) if on_gpu else 0,
+                                   ready_event=event))
     handles = engine.enqueue(process_set.process_set_id, requests, entries)
     user_handle = handles[0]
 
     def complete():
-        results = [engine.wait(h).result for h in handles]
-        return finish(results)
+        done = [engine.wait(h) for h in handles]
+        if on_gpu:
+            # The engine's stream may still be working: the consumer's stream waits for it.
+            # Until then the inputs stay referenced here, so their memory is not reused.
+            for h, stream in zip(done, streams):
+                _cuda.consume(device, h.event, stream)
+            del pairs[:]
+        return finish([h.result for h in done])
     _handle_map[user_handle] = complete
+    if on_gpu:
+        _gpu_handles[user_handle] = handles
     return user_handle
 
 
@@ -471,9 +493,14 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 # ---- allgather ----------------------------------------------------------------------------
 def _allocator(outputs: List[Optional[torch.Tensor]], like: List[torch.Tensor]):
-    def make(i: int):
+    """Allocators for outputs whose shape the engine learns in negotiation; ``stream`` is the
+    submitting stream of a CUDA tensor (None on the CPU)."""
+    def make(i: int, stream=None):
         def allocate(shape):
-            outputs[i] = output_pool.pool.empty(shape, like[i].dtype)
+            if stream is None:
+                outputs[i] = output_pool.pool.empty(shape, like[i].dtype)
+            else:
+                outputs[i] = _cuda.empty_on_stream(shape, like[i].dtype, stream)
             return outputs[i].data_ptr()
         return allocate
     return make
@@ -903,7 +930,13 @@ def poll(handle: int) -> bool:
     Returns:
         A flag indicating whether the operation has completed.
     """
-    return _basics._engine().poll(handle)
+    engine = _basics._engine()
+    if handle not in _gpu_handles:
+        return engine.poll(handle)
+    # Every tensor of the op is enqueued, and the device has finished all of them.
+    handles = _gpu_handles[handle]
+    return all(engine.poll(h) for h in handles) and \
+        all(_cuda.event_done(engine.handle_event(h)) for h in handles)
 
 
 def synchronize(handle: int):
@@ -915,6 +948,7 @@ def synchronize(handle: int):
         A single output tensor of the operation or a tuple of multiple output tensors.
     """
     finish = _handle_map.pop(handle, None)
+    _gpu_handles.pop(handle, None)
     if finish is None:
         return None
     return finish()
@@ -932,6 +966,13 @@ def join(device: int = -1) -> int:
     Returns:
         Id of the rank that joined last.
     """
+    if device is None or device < 0:
+        device = _cuda.used_device()
+    if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()  # a rank that joins before any GPU op
+    if device is not None and device >= 0:
+        # Zeros for GPU collectives that run while this rank has joined go on this device.
+        _basics._engine().join_device = int(device)
     return int(_basics._control(OpType.JOIN, "join"))
 
 

@@ -64,7 +64,7 @@ class SyncBatchNorm(_BatchNorm):
         dims = [0] + list(range(2, input.dim()))
         shape = [1, -1] + [1] * (input.dim() - 2)
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
-        local_count = torch.tensor([x.numel() // x.shape[1]], dtype=x.dtype)
+        local_count = torch.tensor([x.numel() // x.shape[1]], dtype=x.dtype, device=x.device)
         # Two-pass statistics: the global mean first, then the centred sum of squares, which is
         # numerically safer than E[x^2] - E[x]^2.  Gradients flow through both reductions.
         sums = allreduce(torch.cat([x.sum(dims), local_count]), op=Sum,

@@ -87,6 +87,14 @@ AIAK_FUSED_API int aiak_fused_sum_squares_cuda(
  * Returns the number of kernel launches one list-wide call would make, or -1 on error. */
 AIAK_FUSED_API int64_t aiak_fused_cuda_plan_check(int n, const int64_t* numels);
 
+/* Copy n device buffers (srcs[i] -> dsts[i], nbytes[i] bytes each) with one kernel launch
+ * per 64 buffers, on `stream`.  Used by the engine to
+ * fill and empty its GPU fusion buffer.  0 on success, else a CUDA error code;
+ * aiak_batched_copy_cuda_last_error() describes it. */
+AIAK_FUSED_API int aiak_batched_copy_cuda(int n, void* const* dsts, const void* const* srcs,
+                                          const int64_t* nbytes, void* stream);
+AIAK_FUSED_API const char* aiak_batched_copy_cuda_last_error(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -60,3 +60,12 @@ def expected_layout():
     """(node sizes) of the launch, from AIAK_TEST_LAYOUT like '2,2'; None if unknown."""
     layout = os.environ.get("AIAK_TEST_LAYOUT")
     return [int(x) for x in layout.split(",")] if layout else None
+
+
+def my_reducescatter_block(full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This rank's rows of a reducescatter result: the first ``rows % size`` ranks get one
+    extra row (Horovod's split), computed here independently of the engine."""
+    base, extra = divmod(full.shape[0], size)
+    counts = [base + (1 if r < extra else 0) for r in range(size)]
+    start = sum(counts[:rank])
+    return full[start:start + counts[rank]]

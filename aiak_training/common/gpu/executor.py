@@ -1,0 +1,528 @@
+"""Executing negotiated responses whose tensors live in GPU memory.
+
+Runs on the engine thread, called by :class:`aiak_training.common.operations.Executor` for
+responses with ``gpu=True``.  Everything is enqueued on one engine stream per device, which
+first waits for each tensor's ``ready_event`` (recorded on the producer's stream when the
+tensor was submitted).  A response completes as soon as its work is enqueued: each entry's
+handle gets a completion event, and the frontend makes the consumer's stream wait on it.
+The host never waits for the device on this path (the MPI fallback does, by design).
+
+Transports, agreed by all ranks of a process set on its first GPU response:
+
+* **nccl**: collectives on the device.  Small allreduce tensors are packed into a device
+  fusion buffer (one batched-copy kernel launch, or ``cudaMemcpyAsync`` per tensor without
+  the kernel library); tensors of at least
+  ``AIAK_ZERO_COPY_BYTES`` are reduced straight from input to output.  Scale factors are
+  folded into the NCCL reduction (ncclAvg or a pre-multiplied sum, see
+  :func:`nccl.plan_reduction`); what NCCL cannot express (int16, Min/Max/Product with
+  scale factors, fractional factors on integers) takes the MPI path for that response.
+  With the hierarchical algorithm on a homogeneous multi-node cluster, allreduce uses
+  :mod:`aiak_training.allreduce.nccl_hier`.
+* **mpi**: staged through pinned host buffers and the CPU engine's own code (including its
+  allreduce algorithm).  Used when asked for (``AIAK_GPU_TRANSPORT=mpi`` or
+  ``HOROVOD_GPU_OPERATIONS=MPI``), when NCCL is not installed, or when ranks share a GPU,
+  which NCCL refuses.
+"""
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Tuple
+
+from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp
+from aiak_training.common.gpu import kernels, nccl
+from aiak_training.common.gpu.cudart import runtime
+from aiak_training.common.messages import OpType, Response
+from aiak_training.common.operations import (allgather_layout, alltoall_layout,
+                                             average_postscale, reducescatter_layout)
+
+if TYPE_CHECKING:
+    from aiak_training.common.engine import ProcessSetState, TensorEntry
+    from aiak_training.common.operations import Executor
+
+log = logging.getLogger("aiak_training")
+
+
+@dataclass
+class _SetContext:
+    """What one process set uses on the GPU: its transport and NCCL communicators."""
+    transport: str
+    reason: str
+    device: int
+    comms: Dict[str, nccl.Communicator] = field(default_factory=dict)
+    hier: bool = False
+    local_rank: int = 0
+    local_size: int = 1
+    nccl_version: int = 0
+    zero_copy_bytes: int = 0
+    chunk_bytes: int = 0
+    overlap: bool = True
+
+
+class _HostBuffer:
+    """A growing pinned host buffer for staging; it is not overwritten while copies out of it
+    may still be in flight (``busy``: an event recorded after the last of them)."""
+
+    def __init__(self, rt):
+        self.rt, self.addr, self.nbytes, self.busy = rt, 0, 0, 0
+
+    def get(self, nbytes: int) -> int:
+        if self.busy:
+            self.rt.event_synchronize(self.busy)
+            self.rt.event_put(self.busy)
+            self.busy = 0
+        if nbytes > self.nbytes:
+            self.rt.free_host(self.addr)
+            self.nbytes = max(nbytes, 2 * self.nbytes)
+            self.addr = self.rt.host_alloc(self.nbytes)
+        return self.addr
+
+    def release_after(self, stream: int) -> None:
+        self.busy = self.rt.record(stream)
+
+    def free(self) -> None:
+        self.rt.free_host(self.addr)
+        self.addr, self.nbytes = 0, 0
+
+
+class _StagedEntry:
+    """A host stand-in for a GPU entry, for the CPU executor's MPI code."""
+    __slots__ = ("name", "dtype", "shape", "in_addr", "out_addr", "allocate", "count", "nbytes")
+
+    def __init__(self, e: "TensorEntry", in_addr: int, out_addr: int, allocate):
+        self.name, self.dtype, self.shape = e.name, e.dtype, e.shape
+        self.count, self.nbytes = e.count, e.nbytes
+        self.in_addr, self.out_addr, self.allocate = in_addr, out_addr, allocate
+
+
+def pack(rt, base: int, srcs: List[int], sizes: List[int], stream: int,
+         batched: bool = False, align: int = 1) -> List[int]:
+    """Copy buffers into ``base`` on ``stream``, each at an offset rounded up to ``align``
+    bytes; return where each landed.
+
+    ``batched`` (device to device only): one kernel launch per 64 buffers
+    (:func:`kernels.batched_copy`), whose 16-byte path needs 16-byte aligned offsets.
+    Otherwise one cudaMemcpyAsync per buffer, which also serves device-to-host staging (the
+    DMA engines copy to pinned memory at full speed).
+    """
+    offsets = packed_offsets(base, sizes, align)
+    _copy(rt, offsets, srcs, sizes, stream, batched)
+    return offsets
+
+
+def packed_offsets(base: int, sizes: List[int], align: int = 1) -> List[int]:
+    offsets, off = [], base
+    for n in sizes:
+        offsets.append(off)
+        off += (n + align - 1) // align * align
+    return offsets
+
+
+def unpack(rt, dsts: List[int], offsets: List[int], sizes: List[int], stream: int,
+           batched: bool = False) -> None:
+    """The inverse of :func:`pack`."""
+    _copy(rt, dsts, offsets, sizes, stream, batched)
+
+
+def _copy(rt, dsts, srcs, sizes, stream, batched) -> None:
+    if batched:
+        kernels.batched_copy(dsts, srcs, sizes, stream)
+        return
+    for dst, src, n in zip(dsts, srcs, sizes):
+        rt.memcpy_async(dst, src, n, stream)
+
+
+FUSION_ALIGN = 16  # bytes between tensors in the device fusion buffer
+
+
+class GpuExecutor:
+    def __init__(self, cpu: "Executor"):
+        self.cpu = cpu
+        self.engine = cpu.engine
+        self.config = cpu.engine.config
+        self.rt = runtime()
+        self._streams: Dict[Tuple[int, int], int] = {}
+        self._sets: Dict[int, _SetContext] = {}
+        self._fusion: Dict[int, Tuple[int, int]] = {}   # device -> (address, bytes)
+        self._stage_in = _HostBuffer(self.rt)
+        self._stage_out = _HostBuffer(self.rt)
+        self._device = -1                                # this rank's device, once seen
+        # One launch per 64 tensors for the fusion buffer, where setup.py built the kernels.
+        self._batched = kernels.library() is not None
+        if not self._batched:
+            log.info("GPU fusion buffer: one cudaMemcpyAsync per tensor (%s)", kernels.error())
+        self._scratch: List[int] = []                    # device memory for joined ranks
+
+    # ---- resources ---------------------------------------------------------------------
+    def _stream(self, device: int, which: int = 0) -> int:
+        key = (device, which)
+        if key not in self._streams:
+            self._streams[key] = self.rt.stream_create()
+        return self._streams[key]
+
+    def _fusion_buffer(self, device: int, nbytes: int) -> int:
+        addr, size = self._fusion.get(device, (0, 0))
+        if size < nbytes:
+            # cudaFree waits for the device, so the old buffer is idle when it goes.
+            self.rt.free(addr)
+            size = max(nbytes, 2 * size)
+            addr = self.rt.malloc(size)
+            self._fusion[device] = (addr, size)
+        return addr
+
+    def _context(self, state: "ProcessSetState") -> _SetContext:
+        """The set's transport, agreed by all its ranks (collective on first use).  Raises
+        if NCCL reported an asynchronous error (a peer failed): the engine then stops and
+        aborts the communicators, which releases kernels waiting for that peer."""
+        ctx = self._sets.get(state.id)
+        if ctx is not None:
+            for comm in ctx.comms.values():
+                error = comm.async_error()
+                if error is not None:
+                    raise nccl.NcclError(f"NCCL reported an asynchronous error: {error}")
+            return ctx
+        device = self._current_device()
+        want = self.config.gpu_transport
+        problem = None
+        lib = None
+        if want == "nccl":
+            try:
+                lib = nccl.library()
+            except nccl.NcclError as exc:
+                problem = str(exc)
+        from aiak_training.allreduce.nccl_hier import hier_chunk_bytes, hier_overlap
+        where = (socket.gethostname(), self.rt.device_uuid(device))
+        # Settings that decide how many NCCL calls a response makes must agree on every
+        # rank, or the calls would not match: rank 0's values (the lowest NCCL version) win.
+        settings = (lib.version if lib is not None else 0, self.config.zero_copy_bytes,
+                    hier_chunk_bytes(), hier_overlap())
+        views = state.comm.allgather((where, want, problem, settings))
+        transport, reason = "nccl", f"NCCL {nccl.nccl_version_text(lib)}"
+        owners: Dict[tuple, int] = {}
+        for r, (gpu, w, p, _) in enumerate(views):
+            if w == "mpi":
+                transport, reason = "mpi", "AIAK_GPU_TRANSPORT=mpi or HOROVOD_GPU_OPERATIONS=MPI"
+                break
+            if p is not None:
+                transport, reason = "mpi", f"rank {r} cannot use NCCL: {p}"
+                break
+            if gpu in owners:
+                transport, reason = "mpi", (f"ranks {owners[gpu]} and {r} share GPU {gpu[1]} on "
+                                            f"{gpu[0]}, and NCCL needs one GPU per rank")
+                break
+            owners[gpu] = r
+        ctx = _SetContext(transport, reason, device, local_rank=state.topology.local_rank,
+                          local_size=state.topology.local_size,
+                          nccl_version=min(v[3][0] for v in views),
+                          zero_copy_bytes=views[0][3][1], chunk_bytes=views[0][3][2],
+                          overlap=views[0][3][3])
+        if transport == "nccl":
+            ctx.comms["global"] = nccl.Communicator.create(lib, state.comm)
+            topo = state.topology
+            ctx.hier = (getattr(state.algorithm, "name", "flat") != "flat"
+                        and topo.num_nodes > 1 and topo.is_homogeneous and topo.local_size > 1)
+            if ctx.hier:
+                ctx.comms["local"] = nccl.Communicator.create(lib, topo.local_comm)
+                ctx.comms["cross"] = nccl.Communicator.create(lib, topo.cross_comm)
+        if state.rank == 0:
+            (log.info if transport == "nccl" or want == "mpi" else log.warning)(
+                "GPU collectives of process set %d use %s (%s)%s", state.id, transport, reason,
+                "; hierarchical allreduce on NCCL" if ctx.hier else "")
+        self._sets[state.id] = ctx
+        return ctx
+
+    def _current_device(self) -> int:
+        """This rank's device: from its tensors, else the one hvd.join() named."""
+        if self._device >= 0:
+            return self._device
+        if self.engine.join_device >= 0:
+            return self.engine.join_device
+        return self.rt.get_device()
+
+    # ---- entries -----------------------------------------------------------------------
+    def _entries(self, state: "ProcessSetState", responses: List[Response],
+                 stream_for) -> List["TensorEntry"]:
+        """This rank's entries (device zeros where it joined), and the device in use.  The
+        engine stream waits for each tensor's producer."""
+        from aiak_training.common.engine import TensorEntry
+        found = [state.entries.get(r.names[0]) for r in responses]
+        for e in found:
+            if e is not None:
+                self._device = e.device
+                break
+        device = self._current_device()
+        self.rt.set_device(device)
+        stream = stream_for(device)
+        entries = []
+        for r, e in zip(responses, found):
+            if e is None:  # this rank joined: it contributes zeros
+                dtype = DataType(r.dtype)
+                shape = r.shapes[0][state.rank]
+                count = 1
+                for d in shape:
+                    count *= d
+                nbytes = count * ITEMSIZE[dtype]
+                addr = self.rt.malloc(2 * nbytes + 64)
+                self._scratch.append(addr)
+                self.rt.memset_async(addr, 0, nbytes, stream)
+                e = TensorEntry(r.names[0], dtype, shape, addr, addr, device=device,
+                                stream=-1, allocate=lambda _shape, a=addr + nbytes: a)
+            elif e.ready_event:
+                self.rt.wait_event(stream, e.ready_event)
+                self.rt.event_put(e.ready_event)
+                e.ready_event = 0
+            entries.append(e)
+        return entries
+
+    def _allocate(self, e: "TensorEntry", shape, stream: int) -> int:
+        """The output of an allgather/alltoall/reducescatter, allocated by the frontend on the
+        submitting stream; ours waits for what that stream did with the memory before."""
+        addr = e.allocate(shape)
+        if e.stream >= 0:  # 0 is the legacy default stream; stand-ins carry -1
+            event = self.rt.record(e.stream)
+            self.rt.wait_event(stream, event)
+            self.rt.event_put(event)
+        return addr
+
+    def _complete(self, state: "ProcessSetState", responses: List[Response], stream: int,
+                  result=None) -> None:
+        events = {r.names[0]: self.rt.record(stream) for r in responses
+                  if r.names[0] in state.entries}
+        for r in responses:
+            self.cpu._finish(state, r, result=result, events=events)
+        if self._scratch:  # joined-rank zeros: rare; wait, then free
+            self.rt.stream_synchronize(stream)
+            for addr in self._scratch:
+                self.rt.free(addr)
+            self._scratch.clear()
+
+    # ---- allreduce ---------------------------------------------------------------------
+    def allreduce(self, state: "ProcessSetState", group: List[Response]) -> None:
+        first = group[0]
+        dtype, op = DataType(first.dtype), ReduceOp(first.reduce_op)
+        entries = self._entries(state, group, self._stream)
+        ctx = self._context(state)
+        stream = self._stream(ctx.device)
+        plan = None
+        if ctx.transport == "nccl":
+            plan = nccl.plan_reduction(dtype, op, first.prescale, first.postscale, state.size,
+                                       ctx.nccl_version)
+        if plan is None:  # the CPU code it runs marks MPI_ALLREDUCE on the timeline
+            self._staged_allreduce(state, entries, dtype, op, first.prescale,
+                                   average_postscale(first, state.size), stream)
+        else:  # the timeline shows the enqueueing; the device runs it later
+            names = [e.name for e in entries]
+            self.cpu._activity(names, "NCCL_ALLREDUCE")
+            self._nccl_allreduce(ctx, entries, dtype, plan, stream)
+            self.cpu._activity(names, None)
+        self._complete(state, group, stream)
+
+    def _nccl_allreduce(self, ctx: _SetContext, entries, dtype: DataType, plan,
+                        stream: int) -> None:
+        itemsize = ITEMSIZE[dtype]
+        zero_copy = ctx.zero_copy_bytes
+        packed = [e for e in entries if e.nbytes < zero_copy]
+        direct = [e for e in entries if e.nbytes >= zero_copy]
+        if len(packed) == 1:
+            direct, packed = direct + packed, []
+        for e in direct:
+            self._reduce_device(ctx, e.in_addr, e.out_addr, e.count, dtype, plan, stream)
+        if packed:
+            # 16-byte slots keep the copy kernel on its vector path; the few padding elements
+            # are reduced along (16 is a multiple of every element size) and never read.
+            sizes = [e.nbytes for e in packed]
+            offsets = packed_offsets(0, sizes, FUSION_ALIGN)
+            total = offsets[-1] + sizes[-1]
+            base = self._fusion_buffer(ctx.device, total)
+            offsets = [base + off for off in offsets]
+            self._device_copy(offsets, [e.in_addr for e in packed], sizes, stream)
+            self._reduce_device(ctx, base, base, total // itemsize, dtype, plan, stream)
+            self._device_copy([e.out_addr for e in packed], offsets, sizes, stream)
+
+    def _device_copy(self, dsts, srcs, sizes, stream: int) -> None:
+        """Device-to-device copies: the batched kernel, or cudaMemcpyAsync per buffer if the
+        kernel cannot run here (e.g. built for newer GPUs than this one): then once, with a
+        warning, and never again in this process."""
+        if self._batched:
+            try:
+                kernels.batched_copy(dsts, srcs, sizes, stream)
+                return
+            except kernels.KernelError as exc:
+                self._batched = False
+                log.warning("the batched-copy kernel failed (%s); the GPU fusion buffer uses "
+                            "one cudaMemcpyAsync per tensor from now on", exc)
+        _copy(self.rt, dsts, srcs, sizes, stream, False)
+
+    def _reduce_device(self, ctx: _SetContext, send: int, recv: int, count: int,
+                       dtype: DataType, plan, stream: int) -> None:
+        if not count:
+            return
+        from aiak_training.allreduce.nccl_hier import Reduction, nccl_hier_allreduce
+        op, factor = plan
+        nccl_dtype = nccl.NCCL_DTYPE[dtype]
+        # ncclAvg composes over the two levels only for floats (integer division truncates).
+        if ctx.hier and (op != nccl.AVG or dtype in (DataType.FLOAT16, DataType.BFLOAT16,
+                                                      DataType.FLOAT32, DataType.FLOAT64)):
+            if send != recv:
+                self.rt.memcpy_async(recv, send, count * ITEMSIZE[dtype], stream)
+            cross_stream = self._stream(ctx.device, 1) if ctx.overlap else stream
+            nccl_hier_allreduce(self.rt, ctx.comms, recv, count, ITEMSIZE[dtype], nccl_dtype,
+                                op, factor, stream, cross_stream, ctx.local_rank,
+                                ctx.local_size, ctx.chunk_bytes)
+            return
+        comm = ctx.comms["global"]
+        with Reduction(comm, op, factor, nccl_dtype) as nccl_op:
+            comm.allreduce(send, recv, count, nccl_dtype, nccl_op, stream)
+
+    def _staged_allreduce(self, state, entries, dtype, op, pre, post, stream) -> None:
+        sizes = [e.nbytes for e in entries]
+        host = self._stage_in.get(sum(sizes))
+        offsets = pack(self.rt, host, [e.in_addr for e in entries], sizes, stream)
+        self.rt.stream_synchronize(stream)
+        self.cpu.reduce_host(state, [e.name for e in entries], host,
+                             sum(sizes) // ITEMSIZE[dtype], dtype, op, pre, post)
+        unpack(self.rt, [e.out_addr for e in entries], offsets, sizes, stream)
+        self._stage_in.release_after(stream)
+
+    # ---- allgather / broadcast / alltoall / reducescatter ------------------------------
+    def single(self, state: "ProcessSetState", resp: Response) -> None:
+        (e,) = self._entries(state, [resp], self._stream)
+        ctx = self._context(state)
+        stream = self._stream(ctx.device)
+        result = _UNSUPPORTED
+        if ctx.transport == "nccl":
+            self.cpu._activity(resp, "NCCL_" + resp.op_type.name)
+            result = self._nccl_single(ctx, state, resp, e, stream)
+            self.cpu._activity(resp, None)
+        if result is _UNSUPPORTED:  # the CPU code marks MPI_<OP> on the timeline
+            result = self._staged_single(state, resp, e, stream)
+        self._complete(state, [resp], stream, result=result)
+
+    def _nccl_single(self, ctx, state, resp: Response, e, stream: int):
+        from aiak_training.allreduce.nccl_hier import Reduction
+        dtype = DataType(resp.dtype)
+        if not nccl.supports(dtype):
+            return _UNSUPPORTED
+        comm, nd, item = ctx.comms["global"], nccl.NCCL_DTYPE[dtype], ITEMSIZE[dtype]
+        lib, me = comm.lib, state.rank
+        if resp.op_type == OpType.BROADCAST:
+            if e.count:
+                comm.broadcast(e.in_addr, e.out_addr, e.count, nd, resp.root, stream)
+            return None
+        if resp.op_type == OpType.ALLGATHER:
+            counts, displs, out_shape = allgather_layout(resp)
+            out = self._allocate(e, out_shape, stream)
+            if len(set(counts)) == 1:
+                if counts[0]:
+                    comm.allgather(e.in_addr, out, counts[0], nd, stream)
+            else:  # first dimensions differ: one broadcast per rank, as one NCCL group
+                lib.group_start()
+                try:
+                    for r, (n, d) in enumerate(zip(counts, displs)):
+                        if n:
+                            comm.broadcast(e.in_addr, out + d * item, n, nd, r, stream)
+                finally:
+                    lib.group_end()
+            return out_shape
+        if resp.op_type == OpType.ALLTOALL:
+            if ctx.nccl_version < 20700:  # no ncclSend/ncclRecv
+                return _UNSUPPORTED
+            send, sdispl, recv, rdispl, recv_rows, out_shape = \
+                alltoall_layout(resp, me, state.size)
+            out = self._allocate(e, out_shape, stream)
+            lib.group_start()
+            try:
+                for r in range(state.size):
+                    if send[r]:
+                        comm.send(e.in_addr + sdispl[r] * item, send[r], nd, r, stream)
+                    if recv[r]:
+                        comm.recv(out + rdispl[r] * item, recv[r], nd, r, stream)
+            finally:
+                lib.group_end()
+            return out_shape, recv_rows
+        # REDUCESCATTER
+        plan = nccl.plan_reduction(dtype, ReduceOp(resp.reduce_op), resp.prescale,
+                                   resp.postscale, state.size, ctx.nccl_version)
+        if plan is None:
+            return _UNSUPPORTED
+        counts, out_shape = reducescatter_layout(resp, me, state.size)
+        out = self._allocate(e, out_shape, stream)
+        if not e.count:
+            return out_shape
+        with Reduction(comm, plan[0], plan[1], nd) as op:
+            if len(set(counts)) == 1:
+                comm.reduce_scatter(e.in_addr, out, counts[0], nd, op, stream)
+            else:  # uneven blocks: one reduce per rank, as one NCCL group
+                lib.group_start()
+                try:
+                    off = 0
+                    for r, n in enumerate(counts):
+                        if n:
+                            comm.reduce(e.in_addr + off * item, out, n, nd, op, r, stream)
+                        off += n
+                finally:
+                    lib.group_end()
+        return out_shape
+
+    def _staged_single(self, state, resp: Response, e, stream: int):
+        """Copy the input to pinned memory, run the CPU executor's MPI code on it, copy the
+        output back to the device."""
+        host_in = self._stage_in.get(e.nbytes)
+        self.rt.memcpy_async(host_in, e.in_addr, e.nbytes, stream)
+        self.rt.stream_synchronize(stream)
+        staged_out: List[tuple] = []
+
+        def allocate(shape):
+            n = 1
+            for d in shape:
+                n *= d
+            addr = self._stage_out.get(n * ITEMSIZE[e.dtype])
+            staged_out.append((shape, addr, n * ITEMSIZE[e.dtype]))
+            return addr
+        proxy = _StagedEntry(e, host_in, host_in, allocate)
+        result = self.cpu.run_single(state, resp, proxy)
+        if resp.op_type == OpType.BROADCAST:
+            self.rt.memcpy_async(e.out_addr, host_in, e.nbytes, stream)
+        else:
+            shape, addr, nbytes = staged_out[0]
+            out = self._allocate(e, shape, stream)
+            self.rt.memcpy_async(out, addr, nbytes, stream)
+            self._stage_out.release_after(stream)
+        self._stage_in.release_after(stream)
+        return result
+
+    # ---- teardown ----------------------------------------------------------------------
+    def forget_set(self, set_id: int) -> None:
+        ctx = self._sets.pop(set_id, None)
+        if ctx is not None:
+            for stream in self._streams.values():
+                self.rt.stream_synchronize(stream)
+            for comm in ctx.comms.values():
+                comm.destroy()
+
+    def close(self, clean: bool) -> None:
+        """Destroy the communicators after the streams drain, or abort them (``clean`` False:
+        a peer may be gone, and NCCL kernels waiting for it would never finish)."""
+        if clean:
+            try:
+                for stream in self._streams.values():
+                    self.rt.stream_synchronize(stream)
+            except RuntimeError as exc:
+                log.warning("draining the GPU streams at shutdown: %s", exc)
+                clean = False
+        for ctx in self._sets.values():
+            for comm in ctx.comms.values():
+                try:
+                    comm.destroy() if clean else comm.abort()
+                except (nccl.NcclError, RuntimeError) as exc:
+                    log.warning("releasing an NCCL communicator: %s", exc)
+                    clean = False
+        self._sets.clear()
+        if clean:
+            self._stage_in.free()
+            self._stage_out.free()
+            for addr, _ in self._fusion.values():
+                self.rt.free(addr)
+            self._fusion.clear()
+
+
+_UNSUPPORTED = object()

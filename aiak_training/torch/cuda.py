@@ -1,0 +1,72 @@
+"""CUDA tensors for the engine: stream handles in, completion events out.
+
+The engine's GPU path (``aiak_training.common.gpu``) takes raw ``cudaStream_t`` /
+``cudaEvent_t`` handles; this module turns torch's streams into them.  A collective waits
+for the producer through an event recorded on ``torch.cuda.current_stream()`` at submission,
+and ``synchronize`` makes the then-current stream (and the submitting one) wait for the
+result, so no host or device synchronize is needed on the hot path.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+_device: Optional[int] = None  # the one CUDA device this process uses, once seen
+
+
+def check_device(tensor: torch.Tensor) -> int:
+    """The CUDA device index of ``tensor``; one device per process, as in Horovod."""
+    global _device
+    index = tensor.device.index if tensor.device.index is not None \
+        else torch.cuda.current_device()
+    if _device is None:
+        _device = index
+    elif index != _device:
+        raise ValueError(f"aiak_training uses one CUDA device per process: this process "
+                         f"already used cuda:{_device}, and got a tensor on cuda:{index}. "
+                         "Call torch.cuda.set_device(hvd.local_rank()) and keep tensors there.")
+    return index
+
+
+def used_device() -> Optional[int]:
+    """The CUDA device this process has submitted tensors from, if any."""
+    return _device
+
+
+def ready(tensor: torch.Tensor) -> Tuple[int, "torch.cuda.Stream", int]:
+    """(device, producer stream, ready event recorded on it) for a tensor being submitted."""
+    from aiak_training.common.gpu.cudart import runtime
+    device = check_device(tensor)
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        return device, stream, runtime().record(int(stream.cuda_stream))
+
+
+def consume(device: int, event: int, submitted_on: Optional["torch.cuda.Stream"]) -> None:
+    """Make the current stream on ``device`` wait for a completion event, then pool it.
+
+    The stream the op was submitted from waits too: the inputs were allocated there, and
+    once the caller drops them the caching allocator may hand their memory to that stream's
+    next kernels, which must not run before the engine has finished reading it.
+    """
+    if not event:
+        return
+    from aiak_training.common.gpu.cudart import runtime
+    rt = runtime()
+    with torch.cuda.device(device):
+        current = torch.cuda.current_stream(device)
+        rt.wait_event(int(current.cuda_stream), event)
+        if submitted_on is not None and submitted_on != current:
+            rt.wait_event(int(submitted_on.cuda_stream), event)
+    rt.event_put(event)
+
+
+def event_done(event: int) -> bool:
+    from aiak_training.common.gpu.cudart import runtime
+    return not event or runtime().event_done(event)
+
+
+def empty_on_stream(shape, dtype: torch.dtype, stream: "torch.cuda.Stream") -> torch.Tensor:
+    """An output allocated, from the engine thread, on the submitting stream: the caching
+    allocator ties a block to the stream that allocates it."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        return torch.empty(tuple(shape), dtype=dtype, device=stream.device)

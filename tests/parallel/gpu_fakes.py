@@ -1,0 +1,272 @@
+"""Host-memory stand-ins for libcudart and NCCL, to run the GPU executor's logic without a GPU.
+
+``FakeRuntime``: "device memory" is host memory, a stream runs work at once (so every
+ordering is trivially satisfied; stream ordering itself is tested on a real GPU only).
+``FakeLibrary`` / ``FakeCommunicator``: NCCL's semantics over MPI, including in-place
+reduce-scatter and allgather, ncclAvg, pre-multiplied sums and deferred groups, so that
+wrong offsets, counts or units in the executor give wrong numbers here.
+
+These test the engine's control logic (fusion, layouts, reduction plans, staging, the
+hierarchical pipeline's arithmetic, transport agreement); they say nothing about CUDA itself.
+"""
+import ctypes
+import itertools
+import os
+
+import numpy as np
+
+from aiak_training.common.gpu import nccl
+
+_NP = {nccl.INT8: np.int8, nccl.UINT8: np.uint8, nccl.INT32: np.int32, nccl.UINT32: np.uint32,
+       nccl.INT64: np.int64, nccl.UINT64: np.uint64, nccl.FLOAT16: np.float16,
+       nccl.FLOAT32: np.float32, nccl.FLOAT64: np.float64, nccl.BFLOAT16: np.uint16}
+
+
+def _read(addr, count, dtype):
+    """A copy of ``count`` elements at ``addr``, as float64 for bf16 (numpy has no bf16)."""
+    raw = np.ctypeslib.as_array((ctypes.c_ubyte * (count * np.dtype(_NP[dtype]).itemsize))
+                                .from_address(addr)).view(_NP[dtype]).copy() if count else \
+        np.zeros(0, _NP[dtype])
+    if dtype == nccl.BFLOAT16:
+        return (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return raw
+
+
+def _write(addr, values, dtype):
+    if not len(values):
+        return
+    if dtype == nccl.BFLOAT16:
+        bits = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
+        values = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    arr = np.ascontiguousarray(np.asarray(values).astype(_NP[dtype]))
+    ctypes.memmove(addr, arr.ctypes.data, arr.nbytes)
+
+
+class FakeRuntime:
+    path = "fake libcudart (host memory)"
+
+    def __init__(self):
+        self._ids = itertools.count(1)
+        self._blocks = {}
+        self.copies = 0
+
+    def device_count(self):
+        return 1
+
+    def set_device(self, device):
+        pass
+
+    def get_device(self):
+        return 0
+
+    def device_uuid(self, device):
+        return f"fake-gpu-of-pid-{os.getpid()}"  # one "GPU" per process
+
+    pci_bus_id = device_uuid
+
+    def stream_create(self):
+        return next(self._ids)
+
+    def stream_synchronize(self, stream):
+        pass
+
+    def record(self, stream):
+        return next(self._ids)
+
+    event_get = lambda self: next(self._ids)  # noqa: E731
+
+    def event_put(self, event):
+        pass
+
+    def wait_event(self, stream, event):
+        pass
+
+    def event_done(self, event):
+        return True
+
+    def event_synchronize(self, event):
+        pass
+
+    def memcpy_async(self, dst, src, nbytes, stream):
+        self.copies += 1
+        if nbytes:
+            ctypes.memmove(dst, src, nbytes)
+
+    def memset_async(self, dst, value, nbytes, stream):
+        if nbytes:
+            ctypes.memset(dst, value, nbytes)
+
+    def malloc(self, nbytes):
+        block = np.empty(max(1, nbytes), np.uint8)
+        self._blocks[block.ctypes.data] = block
+        return block.ctypes.data
+
+    def free(self, ptr):
+        self._blocks.pop(ptr, None)
+
+    host_alloc, free_host = malloc, free
+
+
+class FakeLibrary:
+    version = 23203
+    path = "fake libnccl (MPI)"
+
+    def __init__(self):
+        self.group_depth = 0
+        self.deferred = []
+
+    def check(self, result, what):
+        assert result == 0, what
+
+    def unique_id(self):
+        return bytes(128)
+
+    def group_start(self):
+        self.group_depth += 1
+
+    def group_end(self):
+        self.group_depth -= 1
+        if self.group_depth == 0:
+            ops, self.deferred = self.deferred, []
+            _finish([pending for op in ops for pending in (op() or [])])
+
+
+def _finish(pending):
+    """Wait for (request, callback) pairs, posted before any wait as NCCL's group does."""
+    for req, done in pending:
+        result = req.wait()
+        if done is not None:
+            done(result)
+
+
+class FakeCommunicator:
+    """NCCL calls on an MPI communicator (element counts, in-place conventions, groups)."""
+
+    def __init__(self, lib, mpi_comm):
+        self.lib, self.comm = lib, mpi_comm.Dup()
+        self.size, self.rank = mpi_comm.Get_size(), mpi_comm.Get_rank()
+        self.handle = 1
+        self._custom = {}
+        self._op_ids = itertools.count(100)
+        self.calls = []
+
+    @classmethod
+    def create(cls, lib, mpi_comm):
+        return cls(lib, mpi_comm)
+
+    def async_error(self):
+        return None
+
+    def destroy(self):
+        self.comm.Free()
+
+    abort = destroy
+
+    def pre_mul_sum(self, factor, nccl_dtype):
+        encoded = nccl.scalar(factor, nccl_dtype)
+        if encoded is None:
+            return None
+        op = next(self._op_ids)
+        # Multiply by what NCCL would get: the factor as encoded in the tensor's type.
+        self._custom[op] = factor if nccl_dtype in (nccl.FLOAT16, nccl.BFLOAT16) \
+            else encoded.value
+        return op
+
+    def destroy_op(self, op):
+        del self._custom[op]
+
+    def _run(self, fn):
+        """Run now, or at group_end inside a group; ``fn`` may return (request, callback)
+        pairs still in flight."""
+        if self.lib.group_depth:
+            self.lib.deferred.append(fn)
+        else:
+            _finish(fn() or [])
+
+    def _reduce(self, parts, op, dtype):
+        parts = [p.astype(np.float64) if dtype in (nccl.FLOAT16, nccl.FLOAT32) else p
+                 for p in parts]
+        if op in self._custom:
+            return sum(p * self._custom[op] for p in parts)
+        if op in (nccl.SUM, nccl.AVG):
+            total = parts[0].copy()
+            for p in parts[1:]:
+                total = total + p
+            if op == nccl.AVG:
+                if np.issubdtype(total.dtype, np.integer):
+                    return np.trunc(total / self.size).astype(total.dtype)
+                return total / self.size
+            return total
+        fn = {nccl.PROD: np.multiply, nccl.MAX: np.maximum, nccl.MIN: np.minimum}[op]
+        out = parts[0]
+        for p in parts[1:]:
+            out = fn(out, p)
+        return out
+
+    def allreduce(self, send, recv, count, dtype, op, stream):
+        self.calls.append(("allreduce", count))
+
+        def run():
+            parts = self.comm.allgather(_read(send, count, dtype))
+            _write(recv, self._reduce(parts, op, dtype), dtype)
+        self._run(run)
+
+    def _check_overlap(self, full, full_count, block, block_count, dtype, what):
+        """NCCL's in-place rule: overlapping buffers must be exactly block = full +
+        rank * block_count elements."""
+        item = np.dtype(_NP[dtype]).itemsize
+        full_end, block_end = full + full_count * item, block + block_count * item
+        if block < full_end and full < block_end:
+            assert block == full + self.rank * block_count * item, \
+                f"{what}: overlapping buffers that are not NCCL's in-place layout"
+
+    def reduce_scatter(self, send, recv, recv_count, dtype, op, stream):
+        self.calls.append(("reduce_scatter", recv_count))
+        self._check_overlap(send, recv_count * self.size, recv, recv_count, dtype,
+                            "ncclReduceScatter")
+
+        def run():
+            parts = self.comm.allgather(_read(send, recv_count * self.size, dtype))
+            mine = self._reduce(parts, op, dtype)[self.rank * recv_count:
+                                                 (self.rank + 1) * recv_count]
+            _write(recv, mine, dtype)
+        self._run(run)
+
+    def allgather(self, send, recv, count, dtype, stream):
+        self.calls.append(("allgather", count))
+        self._check_overlap(recv, count * self.size, send, count, dtype, "ncclAllGather")
+
+        def run():
+            parts = self.comm.allgather(_read(send, count, dtype))
+            _write(recv, np.concatenate(parts), dtype)
+        self._run(run)
+
+    def broadcast(self, send, recv, count, dtype, root, stream):
+        self.calls.append(("broadcast", count))
+
+        def run():
+            data = self.comm.bcast(_read(send, count, dtype) if self.rank == root else None,
+                                   root=root)
+            _write(recv, data, dtype)
+        self._run(run)
+
+    def reduce(self, send, recv, count, dtype, op, root, stream):
+        self.calls.append(("reduce", count))
+
+        def run():
+            parts = self.comm.gather(_read(send, count, dtype), root=root)
+            if self.rank == root:
+                _write(recv, self._reduce(parts, op, dtype), dtype)
+        self._run(run)
+
+    def send(self, buf, count, dtype, peer, stream):
+        self.calls.append(("send", count))
+        nbytes = count * np.dtype(_NP[dtype]).itemsize
+        data = np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(buf)).copy()
+        self._run(lambda: [(self.comm.Isend(data, dest=peer, tag=7), None)])
+
+    def recv(self, buf, count, dtype, peer, stream):
+        self.calls.append(("recv", count))
+        landing = np.empty(count * np.dtype(_NP[dtype]).itemsize, np.uint8)
+        self._run(lambda: [(self.comm.Irecv(landing, source=peer, tag=7),
+                            lambda _: ctypes.memmove(buf, landing.ctypes.data, landing.nbytes))])

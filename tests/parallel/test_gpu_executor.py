@@ -1,0 +1,211 @@
+"""The GPU executor's logic on every rank, without a GPU: the engine runs GPU responses with
+host-memory stand-ins for libcudart and NCCL (gpu_fakes.py), and every result is checked
+against references computed with plain torch.  Launched by tests/test_gpu_path.py at
+2 ranks (NCCL path), 2 x 2 virtual nodes (hierarchical NCCL path) and with
+AIAK_GPU_TRANSPORT=mpi (staged path).
+"""
+import itertools
+import os
+
+import pytest
+import torch
+
+import aiak_training.torch as hvd
+from aiak_training.common import basics
+from aiak_training.common.engine import TensorEntry
+from aiak_training.common.gpu import executor as gpu_executor
+from aiak_training.common.gpu import kernels, nccl
+from aiak_training.common.messages import OpType, Request
+from aiak_training.torch.mpi_ops import _DTYPES
+from gpu_fakes import FakeCommunicator, FakeLibrary, FakeRuntime
+from helpers import (FLOAT_TYPES, INT_TYPES, cast_like, my_reducescatter_block, rank_data,
+                     reference_reduce)
+
+ALL_TYPES = INT_TYPES + FLOAT_TYPES
+OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
+       "product": hvd.Product}
+RUNTIME, LIBRARY = FakeRuntime(), FakeLibrary()
+BATCHED = []
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_gpu():
+    patches = [(gpu_executor, "runtime", lambda: RUNTIME), (nccl, "library", lambda: LIBRARY),
+               (nccl, "Communicator", FakeCommunicator), (kernels, "library", lambda: True),
+               (kernels, "batched_copy", _batched_copy)]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    for mod, name, value in patches:
+        setattr(mod, name, value)
+    yield
+    for mod, name, value in saved:
+        setattr(mod, name, value)
+
+
+def _batched_copy(dsts, srcs, sizes, stream):
+    BATCHED.append(len(sizes))
+    for d, s, n in zip(dsts, srcs, sizes):
+        RUNTIME.memcpy_async(d, s, n, stream)
+
+
+def context():
+    return basics._engine().executor._gpu_executor._sets[0]
+
+
+def run(op_type, tensors, outputs=None, name=None, **fields):
+    """Submit host tensors as if they were on cuda:0; return (outputs, results).  Names come
+    from a counter that every rank advances alike, unless ``name`` is given."""
+    engine = basics._engine()
+    outputs = list(outputs) if outputs is not None else [None] * len(tensors)
+    allocated = [None] * len(tensors)
+    requests, entries = [], []
+    for i, t in enumerate(tensors):
+        tensor_name = f"gpu_exec.{name}.{i}" if name else f"gpu_exec.{next(_names)}"
+        dt = _DTYPES[t.dtype]
+
+        def allocate(shape, i=i, like=t):
+            allocated[i] = torch.empty(shape, dtype=like.dtype)
+            return allocated[i].data_ptr()
+        requests.append(Request(rank=hvd.rank(), name=tensor_name, op_type=op_type,
+                                dtype=int(dt), shape=tuple(t.shape), device=0, **fields))
+        entries.append(TensorEntry(tensor_name, dt, tuple(t.shape), t.data_ptr(),
+                                   outputs[i].data_ptr() if outputs[i] is not None else 0,
+                                   allocate=allocate, keep=(t, outputs[i]), device=0,
+                                   stream=0, ready_event=0))
+    handles = engine.enqueue(0, requests, entries)
+    done = [engine.wait(h) for h in handles]
+    assert all(h.event for h in done), "GPU ops complete with an event"
+    outs = [o if o is not None else a for o, a in zip(outputs, allocated)]
+    return outs, [h.result for h in done]
+
+
+def everyone(shape, dtype, seed):
+    return [rank_data(r, shape, dtype, seed) for r in range(hvd.size())]
+
+
+def exact(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(actual, expected), f"\nactual={actual}\nexpected={expected}"
+
+
+def test_transport_is_the_expected_one():
+    run(OpType.ALLREDUCE, [torch.ones(2)], [torch.empty(2)], reduce_op=hvd.Sum)
+    expected = os.environ.get("AIAK_TEST_GPU_TRANSPORT", "nccl")
+    assert context().transport == expected.split("+")[0], context().reason
+    assert context().hier == expected.endswith("+hier")
+    assert (("global" in context().comms) == (context().transport == "nccl"))
+
+
+@pytest.mark.parametrize("dtype", ALL_TYPES + [torch.bool])
+@pytest.mark.parametrize("op", list(OPS))
+def test_fused_and_direct_allreduce(dtype, op):
+    if dtype == torch.bool and op == "average":
+        return
+    # Five small tensors share the fusion buffer; one of 16 KiB+ goes input -> output
+    # (the driver sets AIAK_ZERO_COPY_BYTES=4096).
+    shapes = [(3, 5), (7,), (1,), (2, 2, 2), (11,), (4101,)]
+    groups = [everyone(s, dtype, seed=i) for i, s in enumerate(shapes)]
+    mine = [g[hvd.rank()] for g in groups]
+    before = [m.clone() for m in mine]
+    BATCHED.clear()
+    outs, _ = run(OpType.ALLREDUCE, mine, [torch.empty_like(m) for m in mine],
+                  reduce_op=OPS[op])
+    for out, g in zip(outs, groups):
+        exact(out, reference_reduce(g, op))
+    for m, b in zip(mine, before):
+        assert torch.equal(m, b), "input modified"
+    if context().transport == "nccl" and dtype != torch.int16:
+        assert BATCHED and BATCHED[0] == 5, BATCHED  # the five small ones, in one launch
+
+
+@pytest.mark.parametrize("dtype", ALL_TYPES)
+def test_scale_factors(dtype):
+    tensors = everyone((17,), dtype, seed=2)
+    for pre, post in [(0.5, 1.0), (1.0, 0.25), (1.5, 2.0), (2.0, 0.5), (0.5, 2.0), (3.0, 2.0)]:
+        outs, _ = run(OpType.ALLREDUCE, [tensors[hvd.rank()]],
+                      [torch.empty_like(tensors[0])], reduce_op=hvd.Sum, prescale=pre,
+                      postscale=post)
+        scaled = [cast_like(t.to(torch.float64) * pre, dtype) for t in tensors]
+        exact(outs[0], cast_like(reference_reduce(scaled, "sum").to(torch.float64) * post,
+                                 dtype))
+
+
+def test_in_place_allreduce():
+    t = everyone((300,), torch.float32, seed=3)
+    mine = t[hvd.rank()].clone()
+    run(OpType.ALLREDUCE, [mine], [mine], reduce_op=hvd.Max)
+    exact(mine, reference_reduce(t, "max"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bool, torch.bfloat16])
+@pytest.mark.parametrize("equal", [True, False])
+def test_allgather(dtype, equal):
+    tensors = [rank_data(r, (2 if equal else r % 3 + 1, 3), dtype, seed=4)
+               for r in range(hvd.size())]
+    outs, results = run(OpType.ALLGATHER, [tensors[hvd.rank()]])
+    exact(outs[0], torch.cat(tensors))
+    assert results[0] == tuple(torch.cat(tensors).shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int16, torch.uint8])
+def test_broadcast_every_root(dtype):
+    tensors = everyone((5, 2), dtype, seed=5)
+    for root in range(hvd.size()):
+        out = torch.empty_like(tensors[0])
+        run(OpType.BROADCAST, [tensors[hvd.rank()]], [out], root=root)
+        exact(out, tensors[root])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16])
+def test_alltoall_with_splits(dtype):
+    n, me = hvd.size(), hvd.rank()
+    splits_of = [[(src + dst) % 3 for dst in range(n)] for src in range(n)]
+    data = [rank_data(src, (sum(splits_of[src]) + 1, 2), dtype, seed=6) for src in range(n)]
+    outs, results = run(OpType.ALLTOALL, [data[me]], splits=tuple(splits_of[me]))
+    pieces = [data[src][sum(splits_of[src][:me]):sum(splits_of[src][:me + 1])]
+              for src in range(n)]
+    exact(outs[0], torch.cat(pieces))
+    assert results[0][1] == [splits_of[src][me] for src in range(n)]
+
+
+@pytest.mark.parametrize("dtype", ALL_TYPES)
+@pytest.mark.parametrize("op", ["sum", "average", "min", "max"])
+@pytest.mark.parametrize("extra", [0, 1])
+def test_reducescatter(dtype, op, extra):
+    n, me = hvd.size(), hvd.rank()
+    rows = 2 * n + extra
+    tensors = everyone((rows, 3), dtype, seed=7)
+    outs, _ = run(OpType.REDUCESCATTER, [tensors[me]], reduce_op=OPS[op])
+    exact(outs[0], my_reducescatter_block(reference_reduce(tensors, op), me, n))
+
+
+def test_joined_rank_contributes_zeros():
+    n, me = hvd.size(), hvd.rank()
+    if me == n - 1:
+        hvd.join()
+    else:
+        x = torch.full((40,), 2.0)
+        outs, _ = run(OpType.ALLREDUCE, [x], [torch.empty_like(x)], name="join",
+                      reduce_op=hvd.Sum)
+        exact(outs[0], torch.full((40,), 2.0 * (n - 1)))
+        hvd.join()
+
+
+def test_hierarchical_pipeline_runs_every_stage():
+    if not context().hier:
+        pytest.skip("not the hierarchical layout")
+    comms = context().comms
+    for c in comms.values():
+        c.calls.clear()
+    tensors = everyone((2001,), torch.float32, seed=8)  # 8004 bytes: reduced directly
+    outs, _ = run(OpType.ALLREDUCE, [tensors[hvd.rank()]], [torch.empty(2001)],
+                  reduce_op=hvd.Average)
+    exact(outs[0], reference_reduce(tensors, "average"))
+    # AIAK_HIER_GPU_CHUNK_BYTES=1024: chunks of 256 floats (even, for 2 local ranks); the
+    # last has 209, whose odd element goes through the global communicator.
+    kinds = lambda c: [k for k, _ in c.calls]  # noqa: E731
+    assert kinds(comms["local"]) == ["reduce_scatter", "reduce_scatter"] + \
+        ["allgather", "reduce_scatter"] * 6 + ["allgather", "allgather"]
+    assert kinds(comms["cross"]) == ["allreduce"] * 8
+    assert comms["global"].calls == [("allreduce", 1)]
+    assert [n for k, n in comms["local"].calls if k == "reduce_scatter"] == [128] * 7 + [104]
