@@ -47,9 +47,9 @@ class OutputPool:
         numel = 1
         for d in shape:
             numel *= int(d)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if self.max_cached_bytes <= 0 or nbytes < self.min_bytes:
-            return torch.empty(tuple(shape), dtype=dtype)
+        nbytes = numel * dtype.itemsize
+        if nbytes < self.min_bytes or self.max_cached_bytes <= 0:
+            return torch.empty(shape, dtype=dtype)  # small results: the plain allocator
         size = -(-nbytes // _ROUND) * _ROUND
         with self._lock:
             blocks = self._free.get(size)
@@ -87,6 +87,8 @@ pool = OutputPool(env_int("AIAK_OUTPUT_POOL_MIN_BYTES", 1 << 20),
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:
     """``torch.empty_like(t, memory_format=torch.contiguous_format)`` for collective results."""
-    if t.device.type != "cpu":
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
-    return pool.empty(t.shape, t.dtype)
+    if t.is_cpu and pool.max_cached_bytes > 0 and \
+            t.numel() * t.dtype.itemsize >= pool.min_bytes:
+        return pool.empty(t.shape, t.dtype)
+    # Small (or non-CPU) results: torch's allocator, by its fastest entry point.
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
