@@ -26,12 +26,18 @@ def parse_args():
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--fp16-allreduce", action="store_true", help="fp16 compression")
+    p.add_argument("--cuda", action="store_true",
+                   help="train on GPUs, one per rank (torch.cuda.set_device(hvd.local_rank()))")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
     hvd.init()
+    device = torch.device("cpu")
+    if args.cuda:  # one GPU per rank, as in Horovod's examples
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # several ranks share this machine's cores
 
@@ -41,13 +47,13 @@ def main():
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25,
                                                         random_state=args.seed, stratify=y)
     # Each rank trains on its own shard.
-    x_train = torch.from_numpy(x_train[hvd.rank()::hvd.size()])
-    y_train = torch.from_numpy(y_train[hvd.rank()::hvd.size()])
-    x_test, y_test = torch.from_numpy(x_test), torch.from_numpy(y_test)
+    x_train = torch.from_numpy(x_train[hvd.rank()::hvd.size()]).to(device)
+    y_train = torch.from_numpy(y_train[hvd.rank()::hvd.size()]).to(device)
+    x_test, y_test = torch.from_numpy(x_test).to(device), torch.from_numpy(y_test).to(device)
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 10))
+                                torch.nn.Linear(64, 10)).to(device)
     # Scale the learning rate by the number of ranks, as Horovod recommends.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
                                 momentum=args.momentum)
@@ -66,15 +72,15 @@ def main():
     for epoch in range(1, args.epochs + 1):
         start = time.monotonic()
         model.train()
-        order = torch.randperm(len(x_train), generator=g)
-        total = torch.zeros(2)
+        order = torch.randperm(len(x_train), generator=g).to(device)
+        total = torch.zeros(2, device=device)
         for step in range(steps):
             idx = order[step * args.batch_size:(step + 1) * args.batch_size]
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
             optimizer.step()
-            total += torch.tensor([loss.item() * len(idx), len(idx)])
+            total += torch.tensor([loss.item() * len(idx), len(idx)], device=device)
         total = hvd.allreduce(total, op=hvd.Sum, name="epoch_loss")
         if hvd.rank() == 0:
             bar = "#" * int(30 * epoch / args.epochs)

@@ -74,3 +74,15 @@ def test_batched_copy_kernel_copies_exactly():
     kernels.batched_copy(dsts, srcs, sizes, int(stream.cuda_stream))
     stream.synchronize()
     assert torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_main_job_trains_on_cuda(ranks):
+    """examples/pytorch_digits.py --cuda: a real training run with CUDA gradients (2 ranks
+    share GPU 0 where there is only one, which takes the staged path)."""
+    env = ONE_GPU if torch.cuda.device_count() < ranks else {}
+    proc = run_ranks([ranks], [sys.executable, "examples/pytorch_digits.py", "--cuda",
+                               "--epochs", "8"], env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    accuracy = float(proc.stdout.rsplit("test accuracy: ", 1)[1].split("%")[0])
+    assert accuracy > 90.0, proc.stdout[-2000:]

@@ -179,7 +179,7 @@ SMALL = {"AIAK_ZERO_COPY_BYTES": "4096", "AIAK_HIER_GPU_CHUNK_BYTES": "1024"}
 
 
 @pytest.mark.parametrize("layout", ["2ranks_nccl", "2x2_virtual_nodes_hier", "2ranks_staged",
-                                    "4ranks_nccl"])
+                                    "4ranks_nccl", "2ranks_nccl_no_kernel"])
 def test_gpu_executor_logic_with_host_fakes(layout):
     """The GPU executor end to end on stand-ins for libcudart and NCCL (host memory, MPI):
     fusion, layouts, reduction plans, the hierarchical pipeline and the staged path, exact on
@@ -192,6 +192,8 @@ def test_gpu_executor_logic_with_host_fakes(layout):
                                                   "AIAK_TEST_LAYOUT": "2,2"}),
         "2ranks_staged": ([2], False, {"AIAK_TEST_GPU_TRANSPORT": "mpi",
                                        "AIAK_GPU_TRANSPORT": "mpi"}),
+        "2ranks_nccl_no_kernel": ([2], False, {"AIAK_TEST_GPU_TRANSPORT": "nccl",
+                                               "AIAK_TEST_NO_KERNEL": "1"}),
     }[layout]
     proc = run_ranks(nodes, FAKE_SUITE, env=dict(SMALL, **env), virtual_hosts=virtual)
     assert proc.returncode == 0, proc.stdout[-6000:]

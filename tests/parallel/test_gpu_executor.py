@@ -31,8 +31,10 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module", autouse=True)
 def fake_gpu():
+    # AIAK_TEST_NO_KERNEL=1: as if setup.py had no nvcc (one cudaMemcpyAsync per tensor).
+    kernel = None if os.environ.get("AIAK_TEST_NO_KERNEL") == "1" else True
     patches = [(gpu_executor, "runtime", lambda: RUNTIME), (nccl, "library", lambda: LIBRARY),
-               (nccl, "Communicator", FakeCommunicator), (kernels, "library", lambda: True),
+               (nccl, "Communicator", FakeCommunicator), (kernels, "library", lambda: kernel),
                (kernels, "batched_copy", _batched_copy)]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     for mod, name, value in patches:
@@ -115,7 +117,10 @@ def test_fused_and_direct_allreduce(dtype, op):
     for m, b in zip(mine, before):
         assert torch.equal(m, b), "input modified"
     if context().transport == "nccl" and dtype != torch.int16:
-        assert BATCHED and BATCHED[0] == 5, BATCHED  # the five small ones, in one launch
+        if os.environ.get("AIAK_TEST_NO_KERNEL") == "1":
+            assert not BATCHED
+        else:
+            assert BATCHED and BATCHED[0] == 5, BATCHED  # the five small ones, in one launch
 
 
 @pytest.mark.parametrize("dtype", ALL_TYPES)
