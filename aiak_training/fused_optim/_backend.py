@@ -79,7 +79,6 @@ def kernel_friendly(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 # ----------------------------------------------------------------------------------- CUDA lib
-_LIB_NAME = "libaiak_fused_cuda.so"
 _cuda_lib: Optional[ctypes.CDLL] = None
 _cuda_lib_error: Optional[str] = None
 _cuda_lock = threading.Lock()
@@ -105,12 +104,10 @@ CUDA_ABI_VERSION = 1
 
 
 def cuda_library_path() -> str:
-    """Where setup.py's build_cuda_kernels puts the CUDA library (AIAK_FUSED_CUDA_LIB overrides)."""
-    env = os.environ.get("AIAK_FUSED_CUDA_LIB")
-    if env:
-        return env
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(os.path.dirname(here), "lib", _LIB_NAME)
+    """Where setup.py's build_cuda_kernels puts the CUDA library (AIAK_FUSED_CUDA_LIB overrides).
+    The engine's copy kernel lives in the same library."""
+    from aiak_training.common.gpu.kernels import library_path
+    return library_path()
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -149,8 +149,7 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
     """Enqueue one request per (input, output) pair; return a single user handle."""
     engine = _basics._engine()
     set_rank = _set_rank(process_set)
-    for inp, _ in pairs:
-        _dtype(inp)
+    dtypes = [_dtype(inp) for inp, _ in pairs]  # all valid before a name is taken
     on_gpu = pairs[0][0].is_cuda
     if any(inp.is_cuda != on_gpu for inp, _ in pairs):
         raise ValueError("A grouped operation takes tensors on one kind of device: got CPU and "
@@ -158,8 +157,7 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
     names = names.resolve(len(pairs), process_set.process_set_id)
     requests, entries, streams = [], [], []
     device = -1
-    for i, ((inp, out), name) in enumerate(zip(pairs, names)):
-        dt = _dtype(inp)
+    for i, ((inp, out), name, dt) in enumerate(zip(pairs, names, dtypes)):
         shape = tuple(inp.shape)
         stream, event = None, 0
         if on_gpu:

@@ -13,6 +13,7 @@ from aiak_training.common.gpu._loader import LazyLibrary
 
 
 def library_path() -> str:
+    """Where setup.py's build_cuda_kernels puts the CUDA library (AIAK_FUSED_CUDA_LIB overrides)."""
     return os.environ.get("AIAK_FUSED_CUDA_LIB") or os.path.join(
         os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         "lib", "libaiak_fused_cuda.so")
