@@ -15,6 +15,16 @@ Ratios (above 1 means aiak-training is better):
   fusion_small_speedup      200 tensors of 1,024 fp32 elements submitted asynchronously then
                             synchronized: time with fusion off (HOROVOD_FUSION_THRESHOLD=0)
                             divided by time with the default fused path. Target >= 5.
+  fusion_small_ceiling_raw_mpi
+                            what fusion can gain on this machine with no engine at all: 200
+                            raw mpi4py Allreduce calls of those tensors (out of place),
+                            divided by packing them with the C++ batched copy, one in-place
+                            Allreduce, and unpacking.  No per-tensor cost besides MPI's own.
+  fusion_small_bound_api    the same two raw times, each plus the least a per-tensor Python
+                            API costs (api_floor_small200: 200 calls that allocate a result
+                            with torch.empty_like and file a handle, then 200 that take it
+                            back): the best fusion_small_speedup an engine that costs
+                            nothing per tensor could show behind hvd.allreduce_async.
   vs_gloo_ddp_buckets       torch.distributed Gloo all_reduce over the same gradient set
                             packed in 25 MiB buckets (what DDP does, averaging included),
                             divided by hvd.grouped_allreduce_ time. Target >= 1.0.
@@ -67,7 +77,7 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import aiak_training.torch as hvd  # noqa: E402
-from aiak_training.common import basics  # noqa: E402
+from aiak_training.common import basics, native  # noqa: E402
 from bench_common import (interleave, machine_info, report, resnet50_shapes,  # noqa: E402
                           summarize, timed)
 
@@ -117,6 +127,9 @@ def main():
     grads = [torch.randn(s) for s in shapes]
     raw = np.random.rand(total).astype(np.float32)
     small = [torch.randn(1024) for _ in range(200)]
+    small_out = [torch.empty(1024) for _ in range(200)]
+    packed = np.empty(200 * 1024, dtype=np.float32)
+    slots = [packed.ctypes.data + i * 4096 for i in range(200)]
     default_threshold = engine.config.fusion_threshold
 
     def raw_mpi():
@@ -141,10 +154,40 @@ def main():
             return elapsed
         return run
 
+    def raw_small_unfused():
+        def body():
+            for t, o in zip(small, small_out):
+                comm.Allreduce(t.numpy(), o.numpy(), op=MPI.SUM)
+        return timed(body, barrier)
+
+    def raw_small_packed():
+        def body():
+            native.copy_batch(slots, [t.data_ptr() for t in small], [4096] * 200)
+            comm.Allreduce(MPI.IN_PLACE, packed, op=MPI.SUM)
+            native.copy_batch([o.data_ptr() for o in small_out], slots, [4096] * 200)
+        return timed(body, barrier)
+
+    def api_floor():
+        table, ids = {}, iter(range(1 << 62))
+
+        def submit(t):
+            handle = next(ids)
+            table[handle] = torch.empty_like(t)
+            return handle
+
+        def body():
+            hs = [submit(t) for t in small]
+            for h in hs:
+                table.pop(h)
+        return timed(body, barrier)
+
     variants = {"raw_mpi_allreduce": raw_mpi, "hvd_grouped_allreduce": grouped,
                 "hvd_grouped_allreduce_inplace": grouped_inplace,
                 "small200_fused": small_tensors(default_threshold),
-                "small200_unfused": small_tensors(0)}
+                "small200_unfused": small_tensors(0),
+                "raw_mpi_small200_unfused": raw_small_unfused,
+                "raw_mpi_small200_packed": raw_small_packed,
+                "api_floor_small200": api_floor}
 
     if not args.no_gloo:
         port = comm.bcast(_free_port() if rank == 0 else None, root=0)
@@ -178,6 +221,9 @@ def main():
         "small200_fused": {"tensors": 200, "elements": 1024,
                            "fusion_threshold": default_threshold},
         "small200_unfused": {"tensors": 200, "elements": 1024, "fusion_threshold": 0},
+        "raw_mpi_small200_unfused": {"tensors": 200, "elements": 1024},
+        "raw_mpi_small200_packed": {"tensors": 200, "elements": 1024},
+        "api_floor_small200": {"tensors": 200, "elements": 1024},
         "gloo_ddp_buckets": {"bytes": total * 4, "bucket_bytes": BUCKET_BYTES},
     }
     # Rank 0 reports; every rank timed between the same barriers.
@@ -187,6 +233,11 @@ def main():
         "fused_vs_raw_mpi": med["raw_mpi_allreduce"] / med["hvd_grouped_allreduce"],
         "fused_inplace_vs_raw_mpi": med["raw_mpi_allreduce"] / med["hvd_grouped_allreduce_inplace"],
         "fusion_small_speedup": med["small200_unfused"] / med["small200_fused"],
+        "fusion_small_ceiling_raw_mpi":
+            med["raw_mpi_small200_unfused"] / med["raw_mpi_small200_packed"],
+        "fusion_small_bound_api":
+            (med["raw_mpi_small200_unfused"] + med["api_floor_small200"])
+            / (med["raw_mpi_small200_packed"] + med["api_floor_small200"]),
     }
     if "gloo_ddp_buckets" in med:
         ratios["vs_gloo_ddp_buckets"] = med["gloo_ddp_buckets"] / med["hvd_grouped_allreduce_inplace"]

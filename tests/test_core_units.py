@@ -106,6 +106,47 @@ def test_response_cache_hit_miss_invalid_and_lru():
     assert not disabled.enabled and disabled.lookup(a) == (MISS, None)
 
 
+def test_response_cache_rerun_hit_and_changed_response():
+    cache = ResponseCache(2)
+    a, b = _req("a"), _req("b")
+    ra, rb = _resp(a), _resp(b)
+    cache.put(ra, a.signature())
+    cache.put(rb, b.signature())
+    cache.touch(0)                       # a negotiated as a hit: most recently used
+    assert cache.put(ra, a.signature()) is None  # the hit ran: nothing moves
+    a5 = _req("a", shape=(5,))
+    ra5 = _resp(a5)
+    assert cache.put(ra5, a5.signature()) is None  # renegotiated: same bit, new response
+    assert cache.lookup(a5) == (HIT, 0) and cache.response(0) is ra5
+    c = _req("c")
+    assert cache.put(_resp(c), c.signature()) == 1  # b is least recently used
+    assert cache.lookup(b) == (MISS, None) and cache.lookup(a5) == (HIT, 0)
+
+
+def test_response_fusion_key_and_sizes():
+    from aiak_training.common.engine import TensorEntry
+    r = Response(OpType.ALLREDUCE, ["x"], dtype=int(DataType.FLOAT64), shapes=[[(3, 5)] * 2],
+                 reduce_op=int(ReduceOp.SUM), prescale=0.5)
+    assert r.nbytes == 3 * 5 * 8
+    same = Response(OpType.ALLREDUCE, ["y"], dtype=int(DataType.FLOAT64), shapes=[[(7,)] * 2],
+                    reduce_op=int(ReduceOp.SUM), prescale=0.5)
+    assert same.fusion_key == r.fusion_key and same.nbytes == 56
+    for change in ({"dtype": int(DataType.FLOAT32)}, {"reduce_op": int(ReduceOp.MAX)},
+                   {"prescale": 1.0}, {"postscale": 2.0}, {"joined_ranks": (1,)},
+                   {"gpu": True}):
+        fields = dict(dtype=int(DataType.FLOAT64), shapes=[[(7,)] * 2],
+                      reduce_op=int(ReduceOp.SUM), prescale=0.5)
+        fields.update(change)
+        assert Response(OpType.ALLREDUCE, ["y"], **fields).fusion_key != r.fusion_key, change
+    assert Response(OpType.BROADCAST, ["y"], dtype=int(DataType.FLOAT64), shapes=[[(7,)] * 2],
+                    reduce_op=int(ReduceOp.SUM), prescale=0.5).fusion_key != r.fusion_key
+    e = TensorEntry("x", DataType.INT16, (4, 0, 2), 0)
+    assert (e.count, e.nbytes) == (0, 0)
+    e = TensorEntry("x", DataType.BFLOAT16, (4, 3), 0)
+    assert (e.count, e.nbytes) == (12, 24)
+    assert (TensorEntry("s", DataType.FLOAT32, (), 0).count, ) == (1, )
+
+
 def test_config_from_env(monkeypatch):
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1048576")
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "2.5")

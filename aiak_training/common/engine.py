@@ -51,7 +51,6 @@ class Handle:
         self.event: int = 0
 
 
-@dataclass
 class TensorEntry:
     """One tensor of one rank, as raw memory.
 
@@ -61,30 +60,34 @@ class TensorEntry:
     GPU tensors (``device >= 0``) carry device addresses, the raw ``cudaStream_t`` of the
     producer and a ``cudaEvent_t`` recorded on it at submission (``ready_event``), which the
     engine's stream waits on before it touches the tensor.
+
+    A plain slotted class, with ``count`` and ``nbytes`` computed once: one is built per tensor
+    per step, and the engine reads its sizes several times.
     """
-    name: str
-    dtype: DataType
-    shape: Tuple[int, ...]
-    in_addr: int
-    out_addr: int = 0
-    allocate: Optional[Callable[[Tuple[int, ...]], int]] = None
-    handle: int = -1
-    signature: Optional[tuple] = None
-    keep: object = None  # references that must outlive the operation
-    device: int = -1
-    stream: int = 0
-    ready_event: int = 0
+    __slots__ = ("name", "dtype", "shape", "in_addr", "out_addr", "allocate", "handle",
+                 "signature", "keep", "device", "stream", "ready_event", "count", "nbytes")
 
-    @property
-    def count(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * ITEMSIZE[self.dtype]
+    def __init__(self, name: str, dtype: DataType, shape: Tuple[int, ...], in_addr: int,
+                 out_addr: int = 0, allocate: Optional[Callable[[Tuple[int, ...]], int]] = None,
+                 handle: int = -1, signature: Optional[tuple] = None, keep: object = None,
+                 device: int = -1, stream: int = 0, ready_event: int = 0):
+        self.name = name
+        self.dtype = dtype
+        self.shape = shape
+        self.in_addr = in_addr
+        self.out_addr = out_addr
+        self.allocate = allocate
+        self.handle = handle
+        self.signature = signature
+        self.keep = keep  # references that must outlive the operation
+        self.device = device
+        self.stream = stream
+        self.ready_event = ready_event
+        count = 1
+        for d in shape:
+            count *= d
+        self.count = count
+        self.nbytes = count * ITEMSIZE[dtype]
 
 
 @dataclass
@@ -192,6 +195,12 @@ class Engine:
                 return self._foreign_sets[set_id], len(self._foreign_sets[set_id]), None
         raise ValueError(f"Process set {set_id} is not registered.")
 
+    def rank_in_set(self, set_id: int) -> Optional[int]:
+        """This rank's rank in a set it belongs to, else None.  Lock-free, for the submission
+        path: a dict read is atomic, and a set's state never changes once registered."""
+        state = self._sets.get(set_id)
+        return None if state is None else state.rank
+
     def find_process_set(self, ranks: List[int]) -> Optional[int]:
         with self._lock:
             for sid, state in self._sets.items():
@@ -232,10 +241,11 @@ class Engine:
                 entry.handle = hid
                 entry.signature = req.signature()
                 state.entries[entry.name] = entry
-                state.queue.append(req)
                 handles.append(hid)
-                if self.timeline.active:
-                    self.timeline.begin(entry.name, "NEGOTIATE_" + OpType(req.op_type).name)
+            state.queue += requests
+            if self.timeline.active:
+                for req in requests:
+                    self.timeline.begin(req.name, "NEGOTIATE_" + OpType(req.op_type).name)
         return handles
 
     def poll(self, handle: int) -> bool:
@@ -260,8 +270,7 @@ class Engine:
                     self._completed.wait(0.5)
                     if not h.done and not self._thread.is_alive():
                         raise HorovodInternalError(self._fatal or SHUT_DOWN_MESSAGE)
-        with self._lock:
-            self._handles.pop(handle, None)
+        self._handles.pop(handle, None)  # atomic; enqueue only adds other handles
         if h.error is not None:
             raise HorovodInternalError(h.error)
         return h

@@ -7,7 +7,12 @@ Both are small picklable tuples of plain values.
 """
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cached_property
 from typing import List, Optional, Tuple
+
+from aiak_training.common.dtypes import ITEMSIZE
+
+_ITEMSIZE = {int(k): v for k, v in ITEMSIZE.items()}
 
 
 class OpType(IntEnum):
@@ -88,3 +93,18 @@ class Response:
     last_joined: int = -1                            # for JOIN responses
     payload: Optional[Tuple[int, ...]] = None
     gpu: bool = False                                # the tensors are in GPU memory
+
+    # Computed on first use and kept: a cached response is executed again every step.
+    @cached_property
+    def fusion_key(self) -> tuple:
+        """Allreduce responses with equal keys can share one fusion buffer."""
+        return (self.op_type, self.gpu, self.dtype, self.reduce_op, self.prescale,
+                self.postscale, self.joined_ranks)
+
+    @cached_property
+    def nbytes(self) -> int:
+        """Bytes of the first tensor (the only one, for a fusable response)."""
+        count = 1
+        for d in self.shapes[0][0]:
+            count *= d
+        return count * _ITEMSIZE[self.dtype]

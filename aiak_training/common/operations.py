@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from aiak_training.common.engine import Engine, ProcessSetState, TensorEntry
 
 _SCALED_UNPACK = (DataType.FLOAT32, DataType.FLOAT64)
-_ITEMSIZE_BY_CODE = {int(k): v for k, v in ITEMSIZE.items()}
 
 
 def _buf(addr: int, count: int, dtype: DataType) -> list:
@@ -121,11 +120,11 @@ class Executor:
                 self._activity(resp, resp.op_type.name)
             if resp.op_type == OpType.ALLREDUCE:
                 group = [resp]
-                total = self._nbytes(resp)
+                key, total = resp.fusion_key, resp.nbytes
                 j = i + 1
-                while j < len(responses) and self._fusable(resp, responses[j]) \
-                        and total + self._nbytes(responses[j]) <= threshold:
-                    total += self._nbytes(responses[j])
+                while j < len(responses) and responses[j].fusion_key == key \
+                        and total + responses[j].nbytes <= threshold:
+                    total += responses[j].nbytes
                     group.append(responses[j])
                     if self.engine.timeline.active:
                         self._activity(responses[j], None)
@@ -148,16 +147,6 @@ class Executor:
             # the cycle's buckets are still being reduced.
             self.engine._notify_completions()
         self._zeros_keep.clear()
-
-    @staticmethod
-    def _nbytes(resp: Response) -> int:
-        return _prod(resp.shapes[0][0]) * _ITEMSIZE_BY_CODE[resp.dtype]
-
-    @staticmethod
-    def _fusable(a: Response, b: Response) -> bool:
-        return (b.op_type == OpType.ALLREDUCE and b.gpu == a.gpu and b.dtype == a.dtype
-                and b.reduce_op == a.reduce_op and b.prescale == a.prescale
-                and b.postscale == a.postscale and b.joined_ranks == a.joined_ranks)
 
     # ---- bookkeeping -------------------------------------------------------------------
     def _entry(self, state: "ProcessSetState", resp: Response, index: int = 0) -> "TensorEntry":
@@ -193,6 +182,23 @@ class Executor:
             else:
                 state.controller.record_executed(resp, None)
 
+    def _finish_packed(self, state: "ProcessSetState", packed: list) -> None:
+        """``_finish`` for the (response, entry) pairs of one fusion buffer: the same steps,
+        with lookups hoisted, since this runs once per small tensor per step."""
+        if self.engine.timeline.active:
+            for r, _ in packed:
+                self._finish(state, r)
+            return
+        pop, complete = state.entries.pop, self.engine.complete
+        record = state.controller.record_executed
+        for r, _ in packed:
+            entry = pop(r.names[0], None)
+            if entry is not None:
+                complete(entry)
+                record(r, entry.signature)
+            else:
+                record(r, None)
+
     def _fail(self, state: "ProcessSetState", resp: Response) -> None:
         for name in resp.names:
             entry = state.entries.pop(name, None)
@@ -223,8 +229,9 @@ class Executor:
         pre, post = first.prescale, average_postscale(first, state.size)
         zero_copy = self.engine.config.zero_copy_bytes
         packed, in_place = [], []
+        get = state.entries.get
         for r in group:
-            e = self._entry(state, r)
+            e = get(r.names[0]) or self._entry(state, r)
             (packed if e.nbytes < zero_copy else in_place).append((r, e))
         if len(packed) == 1:  # a lone small tensor gains nothing from the fusion buffer
             in_place += packed
@@ -237,8 +244,7 @@ class Executor:
             self.engine._notify_completions()
         if packed:
             self._allreduce_fused(state, [e for _, e in packed], dtype, op, pre, post)
-            for r, _ in packed:
-                self._finish(state, r)
+            self._finish_packed(state, packed)
 
     def _allreduce_in_place(self, state, e, dtype, op, pre, post) -> None:
         if e.in_addr != e.out_addr and e.count:

@@ -52,6 +52,9 @@ class ResponseCache:
             return None
         name = response.names[0]
         bit = self._bit_of.get(name)
+        if bit is not None and self._slots[bit][0] is response:
+            # A cache hit that just ran: negotiation matched its signature and touched it.
+            return None
         if bit is None:
             if len(self._bit_of) >= self.capacity:
                 evicted = next(iter(self._lru))

@@ -84,7 +84,7 @@ def _dtype(tensor: torch.Tensor) -> DataType:
 def _check_tensor(tensor: torch.Tensor) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"Expected a torch.Tensor, got {type(tensor).__name__}.")
-    if tensor.device.type not in ("cpu", "cuda"):
+    if not (tensor.is_cpu or tensor.is_cuda):
         raise ValueError(f"Tensor device {tensor.device} is not supported: aiak_training "
                          "works on CPU and CUDA tensors.")
     if tensor.is_sparse:
@@ -92,10 +92,13 @@ def _check_tensor(tensor: torch.Tensor) -> None:
                          "sparse_allreduce_async or sparse_as_dense=True.")
 
 
+_REDUCE_OPS = {int(rop): rop for rop in ReduceOp}
+
+
 def _check_op(op: int, tensor: torch.Tensor) -> ReduceOp:
     try:
-        rop = ReduceOp(op)
-    except ValueError:
+        rop = _REDUCE_OPS[op]  # what ReduceOp(op) accepts, by one dict lookup
+    except (KeyError, TypeError):
         raise ValueError(f"Unknown reduce op {op!r}.") from None
     if rop == ReduceOp.ADASUM:
         raise NotImplementedError("Adasum is not supported by aiak_training yet.")
@@ -131,12 +134,14 @@ def _name(prefix: str, name: Optional[str]) -> "_Names":
     return _Names(prefix, name)
 
 
-def _set_rank(process_set: ProcessSet) -> int:
-    engine = _basics._engine()
+def _set_rank(engine, process_set: ProcessSet) -> int:
     sid = process_set.process_set_id
     if sid is None:
         raise ValueError(f"{process_set} has not been registered (hvd.add_process_set).")
-    ranks, _, set_rank = engine.process_set_info(sid)
+    set_rank = engine.rank_in_set(sid)
+    if set_rank is not None:
+        return set_rank
+    ranks, _, set_rank = engine.process_set_info(sid)  # raises if the set is unknown
     if set_rank is None:
         raise ValueError(f"Rank {engine.topology.rank} is not part of {process_set}; only its "
                          f"members {ranks} may run collectives on it.")
@@ -148,10 +153,10 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
             allocate: Optional[Callable[[int], Callable]] = None, **fields) -> int:
     """Enqueue one request per (input, output) pair; return a single user handle."""
     engine = _basics._engine()
-    set_rank = _set_rank(process_set)
+    set_rank = _set_rank(engine, process_set)
     dtypes = [_dtype(inp) for inp, _ in pairs]  # all valid before a name is taken
     on_gpu = pairs[0][0].is_cuda
-    if any(inp.is_cuda != on_gpu for inp, _ in pairs):
+    if len(pairs) > 1 and any(inp.is_cuda != on_gpu for inp, _ in pairs):
         raise ValueError("A grouped operation takes tensors on one kind of device: got CPU and "
                          "CUDA tensors mixed.")
     names = names.resolve(len(pairs), process_set.process_set_id)
@@ -163,14 +168,14 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
         if on_gpu:
             device, stream, event = _cuda.ready(inp)
             streams.append(stream)
-        requests.append(Request(rank=set_rank, name=name, op_type=op_type, dtype=int(dt),
-                                shape=shape, device=device, **fields))
+        # Positional arguments: this runs once per tensor per step.
+        requests.append(Request(set_rank, name, op_type, int(dt), shape, device=device,
+                                **fields))
         entries.append(TensorEntry(name, dt, shape, inp.data_ptr(),
                                    out.data_ptr() if out is not None else 0,
-                                   allocate=allocate(i, stream) if allocate else None,
-                                   keep=(inp, out), device=device,
-                                   stream=int(stream.cuda_stream) if on_gpu else 0,
-                                   ready_event=event))
+                                   allocate(i, stream) if allocate else None, -1, None,
+                                   (inp, out), device,
+                                   int(stream.cuda_stream) if on_gpu else 0, event))
     handles = engine.enqueue(process_set.process_set_id, requests, entries)
     user_handle = handles[0]
 
@@ -201,11 +206,11 @@ def _contiguous_inplace(tensor: torch.Tensor) -> Tuple[torch.Tensor, Callable[[]
 def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor], names: "_Names",
                      op: int, prescale_factor: float, postscale_factor: float,
                      process_set: ProcessSet, finish) -> int:
-    for t in tensors:
-        _check_tensor(t)
-        rop = _check_op(op, t)
+    # Callers have checked the tensors (_check_tensor) before making them contiguous.
     if not tensors:
         raise ValueError("Expected at least one tensor.")
+    for t in tensors:
+        rop = _check_op(op, t)
     return _submit(OpType.ALLREDUCE, list(zip(tensors, outputs)), names, process_set, finish,
                    reduce_op=int(rop), prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
@@ -985,7 +990,7 @@ def barrier(process_set=global_process_set) -> None:
                      Horovod processes. Default is the global process set.
     """
     engine = _basics._engine()
-    set_rank = _set_rank(process_set)
+    set_rank = _set_rank(engine, process_set)
     req = Request(rank=set_rank, name="barrier", op_type=OpType.BARRIER)
     (h,) = engine.enqueue(process_set.process_set_id, [req], [TensorEntry("barrier", 0, (), 0)])
     engine.wait(h)

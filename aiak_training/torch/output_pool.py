@@ -90,5 +90,8 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     if t.is_cpu and pool.max_cached_bytes > 0 and \
             t.numel() * t.dtype.itemsize >= pool.min_bytes:
         return pool.empty(t.shape, t.dtype)
-    # Small (or non-CPU) results: torch's allocator, by its fastest entry point.
+    # Small (or non-CPU) results: torch's allocator, by its fastest entry point (the default
+    # preserve_format gives a contiguous tensor the same contiguous layout).
+    if t.is_contiguous():
+        return torch.empty_like(t)
     return torch.empty_like(t, memory_format=torch.contiguous_format)
