@@ -53,7 +53,7 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = N
             return
         config = Config.from_env()
         _configure_logging(config.log_level)
-        if process_sets == "dynamic":
+        if isinstance(process_sets, str) and process_sets.lower() == "dynamic":
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
             config.dynamic_process_sets = True
             process_sets = None

@@ -41,33 +41,43 @@ class ProcessSet:
         return self.ranks
 
     def _engine_info(self):
+        """(ranks, size, rank in set) from the engine; raises Horovod's errors."""
         from aiak_training.common import basics
-        if self.process_set_id is None or not basics.is_initialized():
-            return None
+        if not basics.is_initialized():
+            raise ValueError(basics.NOT_INITIALIZED_MESSAGE)
         try:
             return basics._engine().process_set_info(self.process_set_id)
         except ValueError:
-            return None
+            raise ValueError("Process set does not exist or has not been registered.") from None
 
     def size(self) -> Optional[int]:
         """Return size of the process set or None if not initialized."""
-        info = self._engine_info()
-        return None if info is None else len(info[0])
+        if self.process_set_id is None:
+            return None
+        return self._engine_info()[1]
 
     def rank(self) -> Optional[int]:
         """Return rank relative to this process set or None if not initialized.
 
-        Returns None as well on a process that is not part of the set.
+        This is useful, e.g., to process the result of hvd.allgather().
+
+        Please note that, even with process sets, Horovod operations like hvd.broadcast() are
+        not parameterized by this relative rank, but by the global rank as obtained from
+        hvd.rank().
         """
-        info = self._engine_info()
-        return None if info is None else info[2]
+        if self.process_set_id is None:
+            return None
+        rank = self._engine_info()[2]
+        if rank is None:
+            raise ValueError("Process is not part of provided process set.")
+        return rank
 
     def included(self) -> Optional[bool]:
         """Return whether the current process is part of this process set or None if not initialized."""
-        from aiak_training.common import basics
-        if self.process_set_id is None or not basics.is_initialized():
+        if self.ranks is None:
             return None
-        return basics.rank() in (self.ranks or [])
+        from aiak_training.common import basics
+        return basics.rank() in self.ranks
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, " \

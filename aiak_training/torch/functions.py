@@ -49,7 +49,11 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
         optimizer: An optimizer.
         root_rank: The rank of the process from which the optimizer will be
                    broadcasted to all other processes.
-        model: Optional model whose parameters' gradients are used to materialize state.
+        model: (Optional) model, used to identify sparse parameters. Accepted for
+               compatibility and not needed: state is materialized from dense zero
+               gradients (sparse ones for SparseAdam). Horovod uses it to give a sparse
+               embedding's parameters sparse zero gradients under SGD; with momentum that
+               makes a sparse momentum buffer, which a broadcast cannot send.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")

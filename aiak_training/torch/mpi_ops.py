@@ -152,6 +152,8 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
             names: "_Names", process_set: ProcessSet, finish: Callable[[List[Any]], Any],
             allocate: Optional[Callable[[int], Callable]] = None, **fields) -> int:
     """Enqueue one request per (input, output) pair; return a single user handle."""
+    if not pairs:
+        raise ValueError("Expected at least one tensor.")
     engine = _basics._engine()
     set_rank = _set_rank(engine, process_set)
     dtypes = [_dtype(inp) for inp, _ in pairs]  # all valid before a name is taken
@@ -387,7 +389,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
     outputs = [output_pool.empty_like(t) for t in srcs]
     return _allreduce_async(srcs, outputs, _group_names("grouped_allreduce", name, len(srcs)),
                             op, prescale_factor, postscale_factor, process_set,
-                            lambda _: list(outputs))
+                            lambda _: tuple(outputs))
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -408,7 +410,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
     def finish(_):
         for _, copy_back in works:
             copy_back()
-        return list(tensors)
+        return tuple(tensors)
     ws = [w for w, _ in works]
     return _allreduce_async(ws, ws, _group_names("grouped_allreduce", name, len(ws)), op,
                             prescale_factor, postscale_factor, process_set, finish)
@@ -424,7 +426,7 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
         ctx.process_set = process_set
         handle = grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
                                          postscale_factor, process_set)
-        return tuple(synchronize(handle))
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx, *grad_output):
@@ -550,11 +552,17 @@ class HorovodAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_reduced = allreduce(grad_output, op=Sum, process_set=ctx.process_set)
-        dims = allgather(torch.tensor([ctx.dim], dtype=torch.int64),
-                         process_set=ctx.process_set)
-        offset = int(dims[:ctx.process_set.rank()].sum())
+        # Averaged over the ranks, as Horovod does (every frontend): the gradient of the mean
+        # of the ranks' losses.
+        grad_reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        offset = _allgather_offsets([ctx.dim], ctx.process_set)[0]
         return grad_reduced.narrow(0, offset, ctx.dim), None, None
+
+
+def _allgather_offsets(dims: List[int], process_set: ProcessSet) -> List[int]:
+    """Where this rank's rows start in each gathered tensor, given its first dimensions."""
+    every = allgather(torch.tensor([dims], dtype=torch.int64), process_set=process_set)
+    return every[:process_set.rank()].sum(dim=0).tolist()
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -589,7 +597,25 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
         `synchronize()`.
     """
     return _allgather_async(list(tensors), _group_names("grouped_allgather", name, len(tensors)),
-                            process_set, lambda outs: list(outs))
+                            process_set, tuple)
+
+
+class HorovodGroupedAllgather(torch.autograd.Function):
+    """An autograd function that performs allgather on a list of tensors."""
+
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.dims = [t.shape[0] for t in tensors]
+        ctx.process_set = process_set
+        return synchronize(grouped_allgather_async(list(tensors), name, process_set))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        grad_reduced = grouped_allreduce(list(grad_output), op=Average,
+                                         process_set=ctx.process_set)
+        offsets = _allgather_offsets(ctx.dims, ctx.process_set)
+        return (None, None, *[g.narrow(0, off, dim)
+                              for g, off, dim in zip(grad_reduced, offsets, ctx.dims)])
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
@@ -597,11 +623,15 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
     A function that concatenates each input tensor with the corresponding input tensor
     on all other Horovod processes for a list of input tensors.
 
+    This acts as a thin wrapper around an autograd function.  If your input
+    tensors require gradients, then calling this function will allow gradients
+    to be computed and backpropagated.
+
     Returns:
         A list containing tensors of the same type as in `tensors`. Each tensor is
         concatenated on dimension zero across all processes.
     """
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return HorovodGroupedAllgather.apply(name, process_set, *tensors)
 
 
 # ---- broadcast ----------------------------------------------------------------------------
@@ -667,7 +697,7 @@ class HorovodBroadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_reduced = allreduce(grad_output, op=Sum, process_set=ctx.process_set)
+        grad_reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)  # as Horovod
         if rank() != ctx.root_rank:
             grad_reduced *= 0
         return grad_reduced, None, None, None
@@ -756,10 +786,11 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     outputs: List[Optional[torch.Tensor]] = [None]
 
     def finish(results):
+        # Like Horovod: (output, received splits) whether or not splits were given; the
+        # received splits sit where a splits tensor was, else on the CPU.
         _, recv_rows = results[0]
-        if splits is None:
-            return outputs[0]
-        return outputs[0], torch.tensor(recv_rows, dtype=torch.int32)
+        device = splits.device if isinstance(splits, torch.Tensor) else "cpu"
+        return outputs[0], torch.tensor(recv_rows, dtype=torch.int32, device=device)
     return _submit(OpType.ALLTOALL, [(src, None)], _name("alltoall", name), process_set,
                    finish, allocate=_allocator(outputs, [src]), splits=tuple(split_list))
 
@@ -770,21 +801,16 @@ class HorovodAlltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
         ctx.process_set = process_set
-        result = synchronize(alltoall_async(tensor, splits, name, process_set))
-        if splits is None:
-            ctx.recv_splits = None
-            return result
-        output, recv = result
+        output, recv = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.recv_splits = recv
+        if splits is None:
+            return output
         ctx.mark_non_differentiable(recv)
         return output, recv
 
     @staticmethod
     def backward(ctx, grad_output, *unused):
-        if ctx.recv_splits is None:
-            grad = alltoall(grad_output, process_set=ctx.process_set)
-        else:
-            grad, _ = alltoall(grad_output, splits=ctx.recv_splits, process_set=ctx.process_set)
+        grad, _ = alltoall(grad_output, splits=ctx.recv_splits, process_set=ctx.process_set)
         return grad, None, None, None
 
 
@@ -859,12 +885,17 @@ class HorovodReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allgather(grad_output, process_set=ctx.process_set)
-        if ctx.op == Average:
-            grad = grad / ctx.process_set.size()
-        if ctx.scale != 1.0:
-            grad = grad * ctx.scale
-        return grad, None, None, None, None, None
+        grad = _reducescatter_grad_scale(grad_output, ctx.op, ctx.scale, ctx.process_set)
+        return allgather(grad, process_set=ctx.process_set), None, None, None, None, None
+
+
+def _reducescatter_grad_scale(grad: torch.Tensor, op: int, scale: float,
+                              process_set: ProcessSet) -> torch.Tensor:
+    """Horovod's scaling of a reducescatter gradient before it is gathered: times the set size
+    for Sum, unchanged for Average, then times the pre- and postscale factors."""
+    if op == Sum:
+        grad = grad * process_set.size()
+    return grad * scale if scale != 1.0 else grad
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
@@ -901,8 +932,25 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=glob
     """
     return _reducescatter_async(list(tensors),
                                 _group_names("grouped_reducescatter", name, len(tensors)), op,
-                                prescale_factor, postscale_factor, process_set,
-                                lambda outs: list(outs))
+                                prescale_factor, postscale_factor, process_set, tuple)
+
+
+class HorovodGroupedReducescatter(torch.autograd.Function):
+    """An autograd function that performs reducescatter on a list of tensors."""
+
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.op, ctx.process_set = op, process_set
+        ctx.scale = prescale_factor * postscale_factor
+        return synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
+                                                       prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, *grad_output):
+        grads = [_reducescatter_grad_scale(g, ctx.op, ctx.scale, ctx.process_set)
+                 for g in grad_output]
+        return (None, None, None, None, None,
+                *grouped_allgather(grads, process_set=ctx.process_set))
 
 
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
@@ -918,8 +966,8 @@ def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=A
         dimension, which will be divided across the different Horovod processes.
     """
     compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    outs = synchronize(grouped_reducescatter_async(list(compressed), name, op, process_set,
-                                                   prescale_factor, postscale_factor))
+    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor,
+                                             postscale_factor, *compressed)
     return [compression.decompress(t, c) for t, c in zip(outs, ctxs)]
 
 

@@ -55,11 +55,13 @@ class SyncBatchNorm(_BatchNorm):
         if self.momentum is None and self.training and self.track_running_stats:
             exponential_average_factor = 1.0 / float(self.num_batches_tracked)
 
-        if not self.training or size() == 1:
-            if self.training:
-                return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
-                                    self.bias, True, exponential_average_factor or 0.0, self.eps)
+        if not self.training and self.track_running_stats:
             return self._run_bn(input, self.running_mean, self.running_var, False)
+        # Batch statistics: in training, and (as in Horovod) in evaluation without running
+        # statistics, where they are synchronized too.
+        if size() == 1:
+            return F.batch_norm(input, self.running_mean, self.running_var, self.weight,
+                                self.bias, True, exponential_average_factor or 0.0, self.eps)
 
         dims = [0] + list(range(2, input.dim()))
         shape = [1, -1] + [1] * (input.dim() - 2)

@@ -153,16 +153,20 @@ def test_grouped_allreduce_mixed_dtypes():
     dtypes = [torch.float32, torch.int64, torch.float16, torch.float32, torch.bfloat16]
     groups = [everyone((i + 2, 3), dt, seed=10 + i) for i, dt in enumerate(dtypes)]
     outs = hvd.grouped_allreduce([g[hvd.rank()] for g in groups], op=hvd.Sum)
-    assert isinstance(outs, list) and len(outs) == len(dtypes)
+    assert isinstance(outs, list) and len(outs) == len(dtypes)  # as Horovod: a list here,
+    # and tuples from grouped_allreduce_ and from synchronize of a grouped handle
     for out, g in zip(outs, groups):
         assert_same(out, reference_reduce(g, "sum"))
     ins = [g[hvd.rank()].clone() for g in groups]
     res = hvd.grouped_allreduce_(ins, op=hvd.Max)
+    assert isinstance(res, tuple) and len(res) == len(dtypes)
     for out, t, g in zip(res, ins, groups):
         assert out is t
         assert_same(t, reference_reduce(g, "max"))
     h = hvd.grouped_allreduce_async([g[hvd.rank()] for g in groups], op=hvd.Min, name="gmin")
-    for out, g in zip(hvd.synchronize(h), groups):
+    res = hvd.synchronize(h)
+    assert isinstance(res, tuple)
+    for out, g in zip(res, groups):
         assert_same(out, reference_reduce(g, "min"))
 
 
@@ -272,8 +276,15 @@ def test_grouped_allgather():
     groups = [[rank_data(r, (r + 1, 3), dt, seed=30 + i) for r in range(hvd.size())]
               for i, dt in enumerate([torch.float32, torch.int8, torch.float64])]
     outs = hvd.grouped_allgather([g[hvd.rank()] for g in groups])
+    assert isinstance(outs, tuple) and len(outs) == 3
     for out, g in zip(outs, groups):
         assert_same(out, torch.cat(g, 0))
+    outs = hvd.synchronize(hvd.grouped_allgather_async([g[hvd.rank()] for g in groups]))
+    assert isinstance(outs, tuple)
+    for out, g in zip(outs, groups):
+        assert_same(out, torch.cat(g, 0))
+    with pytest.raises(ValueError, match="at least one tensor"):
+        hvd.grouped_allgather([])
 
 
 def test_allgather_mismatched_trailing_dims_raises():
@@ -369,6 +380,8 @@ def test_grouped_reducescatter():
     n, me = hvd.size(), hvd.rank()
     groups = [everyone((n * (i + 1), 2), torch.float64, seed=70 + i) for i in range(3)]
     outs = hvd.grouped_reducescatter([g[me] for g in groups], op=hvd.Sum)
+    assert isinstance(outs, list)
+    assert isinstance(hvd.synchronize(hvd.grouped_reducescatter_async([groups[0][me]])), tuple)
     for i, (out, g) in enumerate(zip(outs, groups)):
         k = i + 1
         assert_same(out, reference_reduce(g, "sum")[k * me:k * (me + 1)])
@@ -387,15 +400,70 @@ def test_allreduce_allgather_broadcast_gradients():
     # d/dx_me of sum_k (k+1) * sum_r x_r  = sum_k (k+1)
     assert torch.equal(x.grad, torch.full((3,), float(sum(range(1, n + 1)))))
 
+    # Horovod averages the gradients of allgather and broadcast over the ranks (Average
+    # scales the float32 sum by 1/n in double and rounds once).
+    mean = float(torch.tensor(sum(range(1, n + 1)) * (1.0 / n), dtype=torch.float64).float())
     y = torch.ones(me + 1, 2, requires_grad=True)
     g = hvd.allgather(y)
     (g * (me + 1)).sum().backward()
-    assert torch.equal(y.grad, torch.full((me + 1, 2), float(sum(range(1, n + 1)))))
+    assert torch.equal(y.grad, torch.full((me + 1, 2), mean))
 
     z = torch.ones(2, requires_grad=True)
     (hvd.broadcast(z, 0) * (me + 1)).sum().backward()
-    expected = float(sum(range(1, n + 1))) if me == 0 else 0.0
-    assert torch.equal(z.grad, torch.full((2,), expected))
+    assert torch.equal(z.grad, torch.full((2,), mean if me == 0 else 0.0))
+
+
+def test_grouped_allgather_gradients():
+    n, me = hvd.size(), hvd.rank()
+    mean = float(torch.tensor(sum(range(1, n + 1)) * (1.0 / n), dtype=torch.float64).float())
+    a = torch.ones(me + 1, 2, requires_grad=True)
+    b = torch.ones(2 * me + 1, requires_grad=True)
+    ga, gb = hvd.grouped_allgather([a, b])
+    assert ga.shape == (n * (n + 1) // 2, 2) and gb.shape == (n * n,)
+    # A weight that depends on the row, so each rank's slice of the gradient is distinct.
+    wa = torch.arange(ga.shape[0], dtype=torch.float32).unsqueeze(1)
+    ((ga * wa).sum() * (me + 1) + (gb * 3.0).sum() * (me + 1)).backward()
+    start = sum(r + 1 for r in range(me))
+    rows = torch.arange(start, start + me + 1, dtype=torch.float64).unsqueeze(1)
+    expected_a = (rows * sum(range(1, n + 1)) * (1.0 / n)).float().expand(me + 1, 2)
+    assert torch.equal(a.grad, expected_a)
+    assert torch.equal(b.grad, torch.full((2 * me + 1,), float(
+        torch.tensor(3.0 * sum(range(1, n + 1)) * (1.0 / n), dtype=torch.float64).float())))
+
+
+@pytest.mark.parametrize("op,pre,post", [("sum", 1.0, 1.0), ("average", 1.0, 1.0),
+                                         ("sum", 0.5, 4.0)])
+def test_reducescatter_gradients(op, pre, post):
+    """Horovod's convention: the output gradient is gathered, times the set size for Sum,
+    unchanged for Average, then times the scale factors."""
+    n, me = hvd.size(), hvd.rank()
+    x = torch.ones(2 * n, 3, requires_grad=True)
+    out = hvd.reducescatter(x, op=OPS[op], prescale_factor=pre, postscale_factor=post)
+    (out * (me + 1)).sum().backward()
+    factor = (n if op == "sum" else 1) * pre * post
+    expected = torch.cat([torch.full((2, 3), (r + 1) * factor) for r in range(n)])
+    assert torch.equal(x.grad, expected)
+
+    y = [torch.ones(n, requires_grad=True), torch.ones(3 * n, 2, requires_grad=True)]
+    outs = hvd.grouped_reducescatter(y, op=OPS[op], prescale_factor=pre, postscale_factor=post)
+    (outs[0].sum() * (me + 1) + outs[1].sum() * 2 * (me + 1)).backward()
+    assert torch.equal(y[0].grad, torch.cat([torch.full((1,), (r + 1) * factor)
+                                             for r in range(n)]))
+    assert torch.equal(y[1].grad, torch.cat([torch.full((3, 2), 2 * (r + 1) * factor)
+                                             for r in range(n)]))
+
+
+def test_alltoall_gradients_and_async_result():
+    n, me = hvd.size(), hvd.rank()
+    # Without splits, synchronize still gives (output, received splits), as in Horovod.
+    out, received = hvd.synchronize(hvd.alltoall_async(torch.arange(2 * n) + 10 * me))
+    assert torch.equal(out, torch.cat([torch.arange(2 * me, 2 * me + 2) + 10 * src
+                                       for src in range(n)]))
+    assert received.dtype == torch.int32 and received.tolist() == [2] * n
+    x = torch.ones(2 * n, 3, requires_grad=True)
+    (hvd.alltoall(x) * (me + 1)).sum().backward()
+    # Rows sent to rank d come back with rank d's weight.
+    assert torch.equal(x.grad, torch.cat([torch.full((2, 3), float(d + 1)) for d in range(n)]))
 
 
 # ---- control ops ----------------------------------------------------------------------------
@@ -445,10 +513,15 @@ def test_process_sets_dynamic():
         else:
             with pytest.raises(ValueError, match="not part"):
                 hvd.allreduce(torch.zeros(1), process_set=evens)
+            with pytest.raises(ValueError, match="not part of provided process set"):
+                evens.rank()
         with pytest.raises(ValueError, match="already"):
             hvd.add_process_set(members)
     finally:
         assert hvd.remove_process_set(evens)
+    # Removed: no id any more, so size() and rank() say None; included() still knows the ranks.
+    assert evens.size() is None and evens.rank() is None
+    assert evens.included() == (me in members)
     assert not hvd.remove_process_set(hvd.global_process_set)
     assert hvd.global_process_set.size() == n and hvd.global_process_set.rank() == me
 

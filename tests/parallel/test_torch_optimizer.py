@@ -225,3 +225,13 @@ def test_sync_batch_norm_matches_full_batch():
     sbn.eval()
     bn.eval()
     assert torch.allclose(sbn(x_all), bn(x_all), atol=1e-12)
+
+
+def test_sync_batch_norm_eval_without_running_stats_uses_synchronized_batch_stats():
+    g = torch.Generator().manual_seed(6)
+    x_all = torch.randn(hvd.size() * 3, 4, 5, generator=g) * 3 + 1
+    sbn = hvd.SyncBatchNorm(4, track_running_stats=False).eval()
+    bn = torch.nn.BatchNorm1d(4, track_running_stats=False).eval()
+    assert sbn.running_mean is None
+    # As in Horovod: batch statistics, taken over every rank's batch, also in eval mode.
+    assert torch.allclose(sbn(shard(x_all)), shard(bn(x_all)), atol=1e-10)
