@@ -4,3 +4,24 @@ Use it as ``import aiak_training.torch as hvd`` in place of ``import horovod.tor
 """
 __version__ = "0.1.0"
 HOROVOD_API_VERSION = "0.28.1"
+
+
+def _request_mpi_thread_level() -> None:
+    """``HOROVOD_MPI_THREADS_DISABLE=1``: ask MPI for less than MPI_THREAD_MULTIPLE.
+
+    mpi4py initializes MPI on the first import of ``mpi4py.MPI``, so the level is set here,
+    before any module of this package imports it.  Once ``init()`` has returned, only the
+    engine's thread calls MPI, so MPI_THREAD_SERIALIZED is the least that is correct (Horovod
+    asks for MPI_THREAD_SINGLE, which a background thread does not strictly allow).  If
+    ``mpi4py.MPI`` was imported first, ``init()`` warns that the variable had no effect.
+    """
+    import os
+    import sys
+    value = os.environ.get("HOROVOD_MPI_THREADS_DISABLE", "").strip().lower()
+    if value in ("", "0", "false", "no", "off") or "mpi4py.MPI" in sys.modules:
+        return
+    import mpi4py
+    mpi4py.rc.thread_level = "serialized"
+
+
+_request_mpi_thread_level()

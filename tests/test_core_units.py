@@ -147,6 +147,16 @@ def test_response_fusion_key_and_sizes():
     assert (TensorEntry("s", DataType.FLOAT32, (), 0).count, ) == (1, )
 
 
+def test_stall_shutdown_below_warning_time_is_ignored(caplog):
+    from mpi4py import MPI
+    from aiak_training.common.controller import Controller
+    with caplog.at_level("WARNING", logger="aiak_training"):
+        assert Controller(MPI.COMM_SELF, 8, 5.0, 2.0).stall_shutdown_s == 0.0
+    assert "will not shutdown" in caplog.text
+    assert Controller(MPI.COMM_SELF, 8, 5.0, 7.0).stall_shutdown_s == 7.0
+    assert Controller(MPI.COMM_SELF, 8, 0.0, 7.0).stall_shutdown_s == 7.0
+
+
 def test_config_from_env(monkeypatch):
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "1048576")
     monkeypatch.setenv("HOROVOD_CYCLE_TIME", "2.5")
@@ -154,7 +164,11 @@ def test_config_from_env(monkeypatch):
     monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "1")
     cfg = Config.from_env()
     assert (cfg.fusion_threshold, cfg.cycle_time_ms, cfg.cache_capacity) == (1048576, 2.5, 0)
-    assert cfg.hierarchical_allreduce and cfg.allreduce_algo == "auto"
+    assert cfg.hierarchical_allreduce is True and cfg.allreduce_algo == "auto"
+    monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "0")
+    assert Config.from_env().hierarchical_allreduce is False
+    monkeypatch.delenv("HOROVOD_HIERARCHICAL_ALLREDUCE")
+    assert Config.from_env().hierarchical_allreduce is None
     monkeypatch.setenv("AIAK_ALLREDUCE_ALGO", "ring")
     with pytest.raises(ValueError, match="AIAK_ALLREDUCE_ALGO"):
         Config.from_env()

@@ -61,11 +61,11 @@ def fake_topology(node_sizes):
 
 
 @pytest.mark.parametrize("algo, hier_flag, nodes, is_global, expected", [
-    ("auto", False, [2, 2], True, "aiak-hier"),
-    ("auto", False, [3, 3, 3], True, "aiak-hier"),
-    ("auto", False, [2, 1], True, "aiak-hier"),        # more than one rank on some node
-    ("auto", False, [1, 1, 1], True, "flat"),          # one rank per node
-    ("auto", False, [4], True, "flat"),                # single node
+    ("auto", None, [2, 2], True, "aiak-hier"),         # unset: chosen by topology
+    ("auto", None, [3, 3, 3], True, "aiak-hier"),
+    ("auto", None, [2, 1], True, "aiak-hier"),        # more than one rank on some node
+    ("auto", None, [1, 1, 1], True, "flat"),          # one rank per node
+    ("auto", None, [4], True, "flat"),                # single node
     ("auto", True, [2, 2], True, "aiak-hier"),         # HOROVOD_HIERARCHICAL_ALLREDUCE=1
     ("auto", True, [4], True, "flat"),                 # ignored on one node, as in Horovod
     ("flat", True, [2, 2], True, "flat"),              # explicit AIAK_ALLREDUCE_ALGO wins
@@ -77,6 +77,8 @@ def fake_topology(node_sizes):
     ("aiak-hier", False, [2, 3], True, "aiak-hier"),
     ("aiak-hier", False, [2, 2], False, "flat"),       # non-global process sets
     ("auto", True, [2, 2], False, "flat"),
+    ("auto", False, [2, 2], True, "flat"),              # HOROVOD_HIERARCHICAL_ALLREDUCE=0
+    ("aiak-hier", False, [2, 2], True, "aiak-hier"),    # explicit AIAK_ALLREDUCE_ALGO wins
 ])
 def test_resolve_algorithm(algo, hier_flag, nodes, is_global, expected):
     cfg = Config(allreduce_algo=algo, hierarchical_allreduce=hier_flag)

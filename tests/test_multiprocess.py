@@ -24,6 +24,8 @@ LAYOUTS = {
                                                   "AIAK_ZERO_COPY_BYTES": "256"}),
     "2ranks_no_cache_no_fusion": ([2], False, {"HOROVOD_FUSION_THRESHOLD": "0",
                                                "HOROVOD_CACHE_CAPACITY": "0"}),
+    # MPI_THREAD_SERIALIZED instead of MULTIPLE: only the engine's thread calls MPI.
+    "2ranks_mpi_threads_disabled": ([2], False, {"HOROVOD_MPI_THREADS_DISABLE": "1"}),
 }
 
 

@@ -176,6 +176,21 @@ def test_autotune_flags_are_accepted_but_ignored():
     args = parse_args(["-np", "1", "--autotune", "--autotune-log-file", "a.csv", "cmd"])
     assert ignored_flags(args) == ["--autotune", "--autotune-log-file"]
     assert args.command == ["cmd"] and unsupported_flags(args) == []
+    args = parse_args(["-np", "1", "--no-autotune", "--num-nccl-streams", "2",
+                       "--thread-affinity", "1", "--torus-allreduce", "-prefix-timestamp",
+                       "cmd", "--num-nccl-streams"])
+    assert ignored_flags(args) == ["--no-autotune", "--num-nccl-streams", "--thread-affinity",
+                                   "--torus-allreduce", "--prefix-output-with-timestamp"]
+    assert args.command == ["cmd", "--num-nccl-streams"]
+
+
+def test_stall_check_and_log_timestamp_aliases():
+    env = flag_env(parse_args(["-np", "1", "--stall-check", "--log-hide-timestamp", "cmd"]), {})
+    assert env["HOROVOD_STALL_CHECK_DISABLE"] == "0" and env["HOROVOD_LOG_HIDE_TIME"] == "1"
+    env = flag_env(parse_args(["-np", "1", "--no-stall-check", "--no-log-hide-timestamp",
+                               "cmd"]), {})
+    assert env["HOROVOD_STALL_CHECK_DISABLE"] == "1" and env["HOROVOD_LOG_HIDE_TIME"] == "0"
+    assert "HOROVOD_STALL_CHECK_DISABLE" not in flag_env(parse_args(["-np", "1", "cmd"]), {})
 
 
 def test_env_assignments():
@@ -188,8 +203,10 @@ def test_env_assignments():
 
 def test_launcher_env_drops_per_rank_identity_and_exports():
     env = launcher_env({"PATH": "/bin", "HOROVOD_HOSTNAME": "stale", "OLDPWD": "/x",
-                        "BASH_FUNC_f%%": "() { :; }"}, {"HOROVOD_CYCLE_TIME": "2"})
+                        "BASH_FUNC_f%%": "() { :; }", "CUDA_VISIBLE_DEVICES": "0,1",
+                        "NV_CUDA_VISIBLE_DEVICES": "2"}, {"HOROVOD_CYCLE_TIME": "2"})
     assert env == {"PATH": "/bin", "OLDPWD": "/x", "BASH_FUNC_f%%": "() { :; }",
+                   "CUDA_VISIBLE_DEVICES": "0,1", "NV_CUDA_VISIBLE_DEVICES": "2",
                    "HOROVOD_CYCLE_TIME": "2"}
     assert exportable_names(env) == ["HOROVOD_CYCLE_TIME", "PATH"]
     assert prepend_path("/s", "/a:/s:/b") == "/s:/a:/b"

@@ -44,18 +44,21 @@ def resolve_algorithm(config: Config, topology: Topology, is_global: bool) -> Tu
       node, where there is no second level (Horovod ignores its switch on one node, too);
     * ``hierarchical`` means ``aiak-hier``;
     * ``auto`` (the default) means ``aiak-hier`` when there is more than one node and more than
-      one rank on some node, ``flat`` otherwise; ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` with
-      ``auto`` asks for ``hierarchical``.  An explicit ``AIAK_ALLREDUCE_ALGO`` wins over
-      ``HOROVOD_HIERARCHICAL_ALLREDUCE``.
+      one rank on some node, ``flat`` otherwise; with ``auto``, a set
+      ``HOROVOD_HIERARCHICAL_ALLREDUCE`` decides: ``1`` asks for ``hierarchical`` and ``0``
+      for ``flat`` (Horovod's own algorithm), as with horovodrun.  An explicit
+      ``AIAK_ALLREDUCE_ALGO`` wins over ``HOROVOD_HIERARCHICAL_ALLREDUCE``.
     """
     if not is_global:
         return "flat", "process sets other than the global one use flat"
     requested = config.allreduce_algo
     source = f"AIAK_ALLREDUCE_ALGO={requested}"
-    if requested == "auto" and config.hierarchical_allreduce:
-        requested, source = "hierarchical", "HOROVOD_HIERARCHICAL_ALLREDUCE=1"
-    elif requested != "auto" and config.hierarchical_allreduce:
-        source += " (overrides HOROVOD_HIERARCHICAL_ALLREDUCE=1)"
+    hier = config.hierarchical_allreduce
+    if requested == "auto" and hier is not None:
+        requested = "hierarchical" if hier else "flat"
+        source = f"HOROVOD_HIERARCHICAL_ALLREDUCE={int(hier)}"
+    elif requested != "auto" and hier is not None:
+        source += f" (overrides HOROVOD_HIERARCHICAL_ALLREDUCE={int(hier)})"
     if requested == "flat":
         return "flat", source
     nodes = topology.num_nodes

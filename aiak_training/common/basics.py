@@ -6,7 +6,7 @@ import sys
 import threading
 from typing import List, Optional, Sequence, Union
 
-from aiak_training.common.config import Config
+from aiak_training.common.config import Config, env_flag
 from aiak_training.common.engine import Engine, TensorEntry
 from aiak_training.common.exceptions import NOT_INITIALIZED_MESSAGE
 from aiak_training.common.messages import OpType, Request
@@ -21,7 +21,9 @@ log = logging.getLogger("aiak_training")
 def _configure_logging(level: str) -> None:
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[%(asctime)s aiak_training %(levelname)s] %(message)s"))
+        # HOROVOD_LOG_HIDE_TIME (aiakrun --log-without-timestamp) drops the time, as in Horovod.
+        stamp = "" if env_flag("HOROVOD_LOG_HIDE_TIME") else "%(asctime)s "
+        handler.setFormatter(logging.Formatter(f"[{stamp}aiak_training %(levelname)s] %(message)s"))
         log.addHandler(handler)
     log.setLevel({"TRACE": "DEBUG", "FATAL": "CRITICAL"}.get(level, level))
 
@@ -53,6 +55,11 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = N
             return
         config = Config.from_env()
         _configure_logging(config.log_level)
+        if env_flag("HOROVOD_MPI_THREADS_DISABLE") and \
+                MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+            log.warning("HOROVOD_MPI_THREADS_DISABLE=1 has no effect: MPI was initialized with "
+                        "MPI_THREAD_MULTIPLE before aiak_training was imported (import "
+                        "aiak_training before mpi4py.MPI to honour it).")
         if isinstance(process_sets, str) and process_sets.lower() == "dynamic":
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
             config.dynamic_process_sets = True

@@ -25,6 +25,14 @@ def env_flag(name: str, default: bool = False) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+def _env_switch(name: str) -> Optional[bool]:
+    """A numeric on/off variable, as Horovod reads it (> 0 is on), or None when unset."""
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return None
+    return env_int(name, 0) > 0
+
+
 # auto/flat/hierarchical are the user-facing choices; horovod-hier and aiak-hier name the
 # two hierarchical algorithms explicitly (hierarchical means aiak-hier).
 ALLREDUCE_ALGOS = ("auto", "flat", "hierarchical", "horovod-hier", "aiak-hier")
@@ -61,10 +69,11 @@ class Config:
     stall_shutdown_time_s: float = 0.0           # HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
     timeline: Optional[str] = None               # HOROVOD_TIMELINE (path or DYNAMIC)
     timeline_mark_cycles: bool = False           # HOROVOD_TIMELINE_MARK_CYCLES
-    hierarchical_allreduce: bool = False         # HOROVOD_HIERARCHICAL_ALLREDUCE
+    # HOROVOD_HIERARCHICAL_ALLREDUCE: None when unset (the algorithm is chosen by topology),
+    # True or False when the job says so.
+    hierarchical_allreduce: Optional[bool] = None
     allreduce_algo: str = "auto"                 # AIAK_ALLREDUCE_ALGO
     dynamic_process_sets: bool = False           # HOROVOD_DYNAMIC_PROCESS_SETS
-    mpi_threads_disable: bool = False            # HOROVOD_MPI_THREADS_DISABLE
     # Tensors at least this large skip the fusion buffer and are reduced in place (no copies).
     zero_copy_bytes: int = 1024 * 1024           # AIAK_ZERO_COPY_BYTES
     log_level: str = "WARNING"                   # HOROVOD_LOG_LEVEL
@@ -85,10 +94,9 @@ class Config:
                                              cls.stall_shutdown_time_s),
             timeline=os.environ.get("HOROVOD_TIMELINE") or None,
             timeline_mark_cycles=env_flag("HOROVOD_TIMELINE_MARK_CYCLES"),
-            hierarchical_allreduce=env_int("HOROVOD_HIERARCHICAL_ALLREDUCE", 0) > 0,
+            hierarchical_allreduce=_env_switch("HOROVOD_HIERARCHICAL_ALLREDUCE"),
             allreduce_algo=os.environ.get("AIAK_ALLREDUCE_ALGO", "auto").strip().lower() or "auto",
             dynamic_process_sets=env_flag("HOROVOD_DYNAMIC_PROCESS_SETS"),
-            mpi_threads_disable=env_flag("HOROVOD_MPI_THREADS_DISABLE"),
             zero_copy_bytes=env_int("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
             log_level=os.environ.get("HOROVOD_LOG_LEVEL", "WARNING").upper(),
             gpu_transport=_gpu_transport(),

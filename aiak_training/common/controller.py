@@ -72,6 +72,11 @@ class Controller:
         self.words = max(1, (cache_capacity + 63) // 64)
         self.stall_check_s = stall_check_s
         self.stall_shutdown_s = stall_shutdown_s
+        if 0 < stall_shutdown_s < stall_check_s:
+            # As Horovod: a shutdown time below the warning time is ignored, with a warning.
+            log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
+                        "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.")
+            self.stall_shutdown_s = 0.0
         self._cached_pending: Dict[int, Request] = {}   # bit -> request waiting on other ranks
         self._to_send: List[Request] = []               # requests for the coordinator
         self._submitted_at: Dict[str, float] = {}       # name -> when this rank submitted it

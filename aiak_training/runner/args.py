@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 ALLREDUCE_ALGOS = ("flat", "hierarchical", "auto", "horovod-hier", "aiak-hier")
@@ -11,10 +11,21 @@ ALLREDUCE_ALGOS = ("flat", "hierarchical", "auto", "horovod-hier", "aiak-hier")
 # parsed so that the error names the missing feature instead of argparse's "unrecognized".
 ELASTIC_FLAGS = ("--min-np", "--max-np", "--slots-per-host", "--elastic-timeout",
                  "--reset-limit", "--blacklist-cooldown-range", "--host-discovery-script")
-# Autotune only tunes performance, so a script that passes it still runs correctly without.
-AUTOTUNE_FLAGS = ("--autotune", "--autotune-log-file", "--autotune-warmup-samples",
-                  "--autotune-steps-per-sample", "--autotune-bayes-opt-max-samples",
-                  "--autotune-gaussian-process-noise")
+# horovodrun flags that only tune performance (autotune, NCCL streams, thread affinity, the
+# torus allreduce) or the look of the output: a job runs correctly without them, so they are
+# accepted, named in a warning, and ignored.  Flag (with aliases) -> whether it takes a value.
+IGNORED_FLAGS = {
+    ("--autotune",): False, ("--no-autotune",): False, ("--autotune-log-file",): True,
+    ("--autotune-warmup-samples",): True, ("--autotune-steps-per-sample",): True,
+    ("--autotune-bayes-opt-max-samples",): True, ("--autotune-gaussian-process-noise",): True,
+    ("--num-nccl-streams",): True, ("--thread-affinity",): True,
+    ("--torus-allreduce",): False, ("--no-torus-allreduce",): False,
+    ("--prefix-output-with-timestamp", "-prefix-timestamp"): False,
+}
+
+
+def _ignored_dest(flags: Tuple[str, ...]) -> str:
+    return "ignored_" + flags[0].lstrip("-").replace("-", "_")
 
 
 def _positive_int(text: str) -> int:
@@ -62,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-cache", action="store_true",
                    help="accepted for horovodrun compatibility; aiakrun caches nothing")
     p.add_argument("--start-timeout", type=_positive_int, metavar="SECONDS",
-                   help="seconds the ranks may take to start and connect "
-                        "(HOROVOD_START_TIMEOUT; default: $HOROVOD_START_TIMEOUT or 30)")
+                   help="accepted for horovodrun compatibility and exported as "
+                        "HOROVOD_START_TIMEOUT (default: $HOROVOD_START_TIMEOUT or 30); "
+                        "horovodrun spends it on host checks that aiakrun does not run")
     p.add_argument("--network-interfaces", dest="network_interfaces", metavar="NICS",
                    help="comma-separated network interfaces for MPI and NCCL, e.g. eth0,eth1")
     p.add_argument("--network-interface", dest="network_interface", action="append", metavar="NIC",
@@ -94,15 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     _on_off(tun, "hierarchical-allreduce", "hierarchical_allreduce",
             "intra-node then inter-node allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE)")
     _on_off(tun, "hierarchical-allgather", "hierarchical_allgather",
-            "hierarchical allgather (HOROVOD_HIERARCHICAL_ALLGATHER)")
+            "hierarchical allgather (HOROVOD_HIERARCHICAL_ALLGATHER; accepted, no effect: "
+            "allgather always uses MPI's own algorithm)")
     _on_off(tun, "mpi-threads-disable", "mpi_threads_disable",
-            "initialize MPI with MPI_THREAD_SINGLE (HOROVOD_MPI_THREADS_DISABLE)")
+            "initialize MPI with MPI_THREAD_SERIALIZED instead of MULTIPLE "
+            "(HOROVOD_MPI_THREADS_DISABLE)")
     tun.add_argument("--tcp", action="store_true",
                      help="TCP only: NCCL_IB_DISABLE=1 (and -tcp for Spectrum MPI)")
-    for flag in AUTOTUNE_FLAGS:
-        tun.add_argument(flag, dest="autotune_" + flag[2:].replace("-", "_"),
-                         nargs=0 if flag == "--autotune" else None, action=_Collect,
-                         help=argparse.SUPPRESS)
+    for flags, takes_value in IGNORED_FLAGS.items():
+        tun.add_argument(*flags, dest=_ignored_dest(flags), nargs=None if takes_value else 0,
+                         action=_Collect, help=argparse.SUPPRESS)
 
     tl = p.add_argument_group("timeline")
     tl.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
@@ -113,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     st = p.add_argument_group("stall check")
     st.add_argument("--no-stall-check", dest="no_stall_check", action="store_true",
                     help="disable the stall check (HOROVOD_STALL_CHECK_DISABLE=1)")
+    st.add_argument("--stall-check", dest="stall_check", action="store_true",
+                    help="enable the stall check (the default; HOROVOD_STALL_CHECK_DISABLE=0)")
     st.add_argument("--stall-check-warning-time-seconds", dest="stall_check_warning_time_seconds",
                     type=_non_negative_int, metavar="SECONDS",
                     help="warn after this many seconds of stall "
@@ -132,10 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     log = p.add_argument_group("logging")
     log.add_argument("--log-level", dest="log_level", type=str.upper, choices=LOG_LEVELS,
                      help="engine log level (HOROVOD_LOG_LEVEL)")
-    log.add_argument("--log-with-timestamp", dest="log_hide_time", action="store_const",
-                     const=False, default=None, help="timestamps in engine logs")
-    log.add_argument("--log-without-timestamp", dest="log_hide_time", action="store_const",
-                     const=True, help="no timestamps in engine logs (HOROVOD_LOG_HIDE_TIME=1)")
+    log.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_hide_time",
+                     action="store_const", const=False, default=None,
+                     help="timestamps in engine logs")
+    log.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_hide_time",
+                     action="store_const", const=True,
+                     help="no timestamps in engine logs (HOROVOD_LOG_HIDE_TIME=1)")
 
     hosts = p.add_argument_group("hosts").add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", dest="hosts", metavar="HOSTS",
@@ -223,5 +240,5 @@ def unsupported_flags(args: argparse.Namespace) -> List[str]:
 
 def ignored_flags(args: argparse.Namespace) -> List[str]:
     """Flags accepted for compatibility that have no effect here."""
-    return [flag for flag in AUTOTUNE_FLAGS
-            if getattr(args, "autotune_" + flag[2:].replace("-", "_"), None) is not None]
+    return [flags[0] for flags in IGNORED_FLAGS
+            if getattr(args, _ignored_dest(flags), None) is not None]

@@ -48,6 +48,8 @@ def flag_env(args: argparse.Namespace, environ: Mapping[str, str]) -> Dict[str, 
         env["HOROVOD_TIMELINE_MARK_CYCLES"] = _bool(args.timeline_mark_cycles)
     if args.no_stall_check:
         env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    elif args.stall_check:
+        env["HOROVOD_STALL_CHECK_DISABLE"] = "0"
     if args.stall_check_warning_time_seconds is not None:
         env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(args.stall_check_warning_time_seconds)
     if args.stall_check_shutdown_time_seconds is not None:
@@ -99,8 +101,12 @@ def parse_env_assignments(items: Sequence[str], environ: Mapping[str, str]
 
 
 def is_exportable(name: str) -> bool:
-    """Whether ``name`` should be forwarded to the ranks with Open MPI's ``-x NAME``."""
-    return bool(_NAME_RE.match(name)) and name not in _NOT_EXPORTED
+    """Whether ``name`` should be forwarded to the ranks with Open MPI's ``-x NAME``.
+
+    Like horovodrun, not the launching host's GPU mask (``*CUDA_VISIBLE_DEVICES``): each host
+    has its own GPUs.  ``-x CUDA_VISIBLE_DEVICES=...`` still sets it explicitly."""
+    return bool(_NAME_RE.match(name)) and name not in _NOT_EXPORTED \
+        and not name.endswith("CUDA_VISIBLE_DEVICES")
 
 
 def exportable_names(env: Mapping[str, str]) -> List[str]:

@@ -35,6 +35,8 @@ def test_rank_and_size_match_launcher():
     assert (hvd.rank(), hvd.size()) == (rank, size)
     assert hvd.is_initialized()
     assert hvd.mpi_enabled() and hvd.mpi_built() and not hvd.gloo_enabled()
+    threads_disabled = os.environ.get("HOROVOD_MPI_THREADS_DISABLE") == "1"
+    assert hvd.mpi_threads_supported() == (not threads_disabled)
 
 
 def test_local_and_cross_topology():
