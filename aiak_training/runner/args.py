@@ -59,6 +59,9 @@ def _on_off(group, name: str, dest: str, help_on: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; flag names and meanings follow horovodrun 0.28.1."""
+    # allow_abbrev=False, unlike horovodrun: argparse matches prefixes in every argument,
+    # the training command's own included, so a script flag such as --fus would be taken
+    # (or rejected as ambiguous) by aiakrun.
     p = argparse.ArgumentParser(
         prog="aiakrun",
         description="Launch a distributed aiak-training (Horovod-compatible) job over MPI.",
