@@ -35,6 +35,15 @@ def _engine() -> Engine:
     return engine
 
 
+def _topology():
+    """The rank layout of an initialized engine.  Like Horovod's rank() and size(), it keeps
+    answering after a peer has shut the job down, until this process calls shutdown()."""
+    engine = _engine_instance
+    if engine is None or engine.topology is None:
+        raise ValueError(NOT_INITIALIZED_MESSAGE)
+    return engine.topology
+
+
 def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = None) -> None:
     """A function that initializes Horovod.
 
@@ -113,41 +122,41 @@ def is_initialized() -> bool:
 
 def size() -> int:
     """A function that returns the number of Horovod processes."""
-    return _engine().topology.size
+    return _topology().size
 
 
 def rank() -> int:
     """A function that returns the Horovod rank of the calling process."""
-    return _engine().topology.rank
+    return _topology().rank
 
 
 def local_size() -> int:
     """A function that returns the number of Horovod processes within the node the current
     process is running on."""
-    return _engine().topology.local_size
+    return _topology().local_size
 
 
 def local_rank() -> int:
     """A function that returns the local Horovod rank of the calling process, within the
     node that it is running on."""
-    return _engine().topology.local_rank
+    return _topology().local_rank
 
 
 def cross_size() -> int:
     """A function that returns the number of nodes for the local rank of the current
     process."""
-    return _engine().topology.cross_size
+    return _topology().cross_size
 
 
 def cross_rank() -> int:
     """A function that returns the cross Horovod rank of the calling process, across the
     nodes in the job."""
-    return _engine().topology.cross_rank
+    return _topology().cross_rank
 
 
 def is_homogeneous() -> bool:
     """Returns True if the cluster is homogeneous (every node runs the same number of ranks)."""
-    return _engine().topology.is_homogeneous
+    return _topology().is_homogeneous
 
 
 def mpi_threads_supported() -> bool:

@@ -149,9 +149,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if isinstance(self._groups, int):
                 p_groups = _split_list(p_list, self._groups)
             else:
-                listed = {id(p) for group in self._groups for p in group}
-                p_groups = [sorted(g, key=lambda p: self._parameter_names.get(p))
+                # As Horovod: a listed tensor that is not a parameter with a gradient (frozen,
+                # or not in this optimizer) is left out of its group.
+                with_grad = {id(p) for p in p_list}
+                p_groups = [sorted((p for p in g if id(p) in with_grad),
+                                   key=lambda p: self._parameter_names.get(p))
                             for g in self._groups]
+                listed = {id(p) for group in p_groups for p in group}
                 p_groups += [[p] for p in p_list if id(p) not in listed]
             p_groups = [tuple(g) for g in p_groups if g]
             for group in p_groups:
@@ -465,7 +469,8 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         if op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
 
-    if op == Adasum:
+    if op == Adasum and size() > 1:
+        # On one process Horovod runs the plain optimizer, and so does this.
         raise NotImplementedError("Adasum is not supported by aiak_training yet.")
 
     if num_groups != 0:

@@ -104,6 +104,49 @@ def test_groups(groups):
     assert_models_close(model, train_reference(OPTIMIZERS["adam"], steps=4))
 
 
+def test_groups_leave_out_frozen_and_foreign_tensors():
+    """As Horovod: a listed tensor without a gradient (frozen, or not a parameter of the
+    optimizer) is left out of its group, so it is never given a gradient or updated."""
+    def train(groups_of):
+        model = make_model()
+        model[2].bias.requires_grad_(False)
+        ps = list(model.parameters())
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5),
+            named_parameters=model.named_parameters(), groups=groups_of(ps))
+        for step in range(3):
+            opt.zero_grad()
+            x, y = batches(step)
+            loss_fn(model, shard(x), shard(y)).backward()
+            opt.step()
+        return model
+    stranger = torch.zeros(3, requires_grad=True)
+    grouped = train(lambda ps: [[ps[0], ps[3], stranger], [ps[2], ps[1]]])
+    plain = train(lambda ps: None)
+    assert grouped[2].bias.grad is None
+    assert torch.equal(grouped[2].bias, make_model()[2].bias)
+    assert_models_close(grouped, plain, atol=1e-12)
+
+
+def test_adasum_runs_the_plain_optimizer_on_one_process():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if hvd.size() > 1:
+        with pytest.raises(NotImplementedError, match="Adasum"):
+            hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                     op=hvd.Adasum)
+        return
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), op=hvd.Adasum)
+    x, y = batches(0)
+    loss_fn(model, x, y).backward()
+    opt.step()
+    ref = make_model()
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss_fn(ref, x, y).backward()
+    plain.step()
+    assert_models_close(model, ref, atol=0)
+
+
 def test_gradient_predivide_factor_and_fp16_compression():
     model, _ = train_distributed(OPTIMIZERS["sgd"], steps=3, gradient_predivide_factor=4.0)
     assert_models_close(model, train_reference(OPTIMIZERS["sgd"], steps=3), atol=1e-12)
