@@ -15,10 +15,9 @@ def _request_mpi_thread_level() -> None:
     asks for MPI_THREAD_SINGLE, which a background thread does not strictly allow).  If
     ``mpi4py.MPI`` was imported first, ``init()`` warns that the variable had no effect.
     """
-    import os
     import sys
-    value = os.environ.get("HOROVOD_MPI_THREADS_DISABLE", "").strip().lower()
-    if value in ("", "0", "false", "no", "off") or "mpi4py.MPI" in sys.modules:
+    from aiak_training.common.config import env_flag  # imports no MPI
+    if not env_flag("HOROVOD_MPI_THREADS_DISABLE") or "mpi4py.MPI" in sys.modules:
         return
     import mpi4py
     mpi4py.rc.thread_level = "serialized"
