@@ -110,7 +110,7 @@ class Executor:
                 continue
             if resp.op_type in CONTROL_OPS:
                 if resp.op_type == OpType.BARRIER:
-                    self._finish(state, resp)
+                    self._finish(state, [resp])
                 else:
                     self.engine.handle_control(state, resp)
                 i += 1
@@ -141,7 +141,7 @@ class Executor:
                 self._gpu().single(state, resp)
             else:
                 e = self._entry(state, resp)
-                self._finish(state, resp, result=self.run_single(state, resp, e))
+                self._finish(state, [resp], result=self.run_single(state, resp, e))
             i += 1
             # Wake waiters as each bucket lands, so the caller can use it while the rest of
             # the cycle's buckets are still being reduced.
@@ -167,37 +167,24 @@ class Executor:
             return _addr
         return TensorEntry(resp.names[index], dtype, shape, addr, addr, allocate=allocate)
 
-    def _finish(self, state: "ProcessSetState", resp: Response, result=None,
+    def _finish(self, state: "ProcessSetState", responses: List[Response], result=None,
                 events: Optional[dict] = None) -> None:
-        """Complete a response's entries (``events``: name -> completion cudaEvent_t)."""
+        """Complete the responses' entries (``events``: name -> completion cudaEvent_t).
+        Takes every response of a fusion buffer at once, with the lookups hoisted: this runs
+        once per tensor per step."""
         timeline = self.engine.timeline
-        for name in resp.names:
-            entry = state.entries.pop(name, None)
-            if timeline.active:
-                timeline.end(name)
-            if entry is not None:
-                self.engine.complete(entry, result=result,
-                                     event=events.get(name, 0) if events else 0)
-                state.controller.record_executed(resp, entry.signature)
-            else:
-                state.controller.record_executed(resp, None)
-
-    def _finish_packed(self, state: "ProcessSetState", packed: list) -> None:
-        """``_finish`` for the (response, entry) pairs of one fusion buffer: the same steps,
-        with lookups hoisted, since this runs once per small tensor per step."""
-        if self.engine.timeline.active:
-            for r, _ in packed:
-                self._finish(state, r)
-            return
         pop, complete = state.entries.pop, self.engine.complete
         record = state.controller.record_executed
-        for r, _ in packed:
-            entry = pop(r.names[0], None)
-            if entry is not None:
-                complete(entry)
-                record(r, entry.signature)
-            else:
-                record(r, None)
+        for resp in responses:
+            for name in resp.names:
+                entry = pop(name, None)
+                if timeline.active:
+                    timeline.end(name)
+                if entry is not None:
+                    complete(entry, result=result, event=events.get(name, 0) if events else 0)
+                    record(resp, entry.signature)
+                else:
+                    record(resp, None)
 
     def _fail(self, state: "ProcessSetState", resp: Response) -> None:
         for name in resp.names:
@@ -240,11 +227,11 @@ class Executor:
             self._allreduce_in_place(state, e, dtype, op, pre, post)
             # Complete each large tensor as soon as it lands, not with the whole response:
             # an overlapped optimizer can update it while the rest are still on the wire.
-            self._finish(state, r)
+            self._finish(state, [r])
             self.engine._notify_completions()
         if packed:
             self._allreduce_fused(state, [e for _, e in packed], dtype, op, pre, post)
-            self._finish_packed(state, packed)
+            self._finish(state, [r for r, _ in packed])
 
     def _allreduce_in_place(self, state, e, dtype, op, pre, post) -> None:
         if e.in_addr != e.out_addr and e.count:

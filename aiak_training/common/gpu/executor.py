@@ -288,7 +288,7 @@ class GpuExecutor:
         events = {r.names[0]: self.rt.record(stream) for r in responses
                   if r.names[0] in state.entries}
         for r in responses:
-            self.cpu._finish(state, r, result=result, events=events)
+            self.cpu._finish(state, [r], result=result, events=events)
         if self._scratch:  # joined-rank zeros: rare; wait, then free
             self.rt.stream_synchronize(stream)
             for addr in self._scratch:
