@@ -16,8 +16,8 @@ def _request_mpi_thread_level() -> None:
     ``mpi4py.MPI`` was imported first, ``init()`` warns that the variable had no effect.
     """
     import sys
-    from aiak_training.common.config import env_flag  # imports no MPI
-    if not env_flag("HOROVOD_MPI_THREADS_DISABLE") or "mpi4py.MPI" in sys.modules:
+    from aiak_training.common.env import env_bool  # imports no MPI
+    if not env_bool("HOROVOD_MPI_THREADS_DISABLE") or "mpi4py.MPI" in sys.modules:
         return
     import mpi4py
     mpi4py.rc.thread_level = "serialized"

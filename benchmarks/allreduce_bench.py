@@ -35,16 +35,16 @@ A B C A B C after warm-up, on an emulated cluster, e.g.::
 
     python -m aiak_training.testing.cluster --nodes 2 --ranks-per-node 2 --rate 1gbit -- \
         sh -c 'mpiexec -n 4 python benchmarks/allreduce_bench.py \
-               --algos flat,horovod-hier,aiak-hier --json hier_1gbit.json \
+               --algos flat,hier_staged,hier_pipelined --json hier_1gbit.json \
                --plot benchmarks/hier_plot_1gbit.png'
 
-Ratios of this mode (above 1 means aiak-hier is faster); SUFFIX is --ratio-suffix, by default
+Ratios of this mode (above 1 means hier_pipelined is faster); SUFFIX is --ratio-suffix, by default
 "" on a 1 Gbit/s cluster and "_<N>gbit" on others (from AIAK_CLUSTER_NOMINAL_GBIT):
 
-  hier_vs_flat_64MB<SUFFIX>           flat time / aiak-hier time for a 64 MiB buffer.
+  hier_vs_flat_64MB<SUFFIX>           flat time / hier_pipelined time for a 64 MiB buffer.
                                       Target >= 1.35 at 1 Gbit/s on 2x2 (bytes bound 1.5);
                                       no regression beyond noise at 5 Gbit/s.
-  hier_vs_horovod_hier_64MB<SUFFIX>   horovod-hier time / aiak-hier time, 64 MiB.
+  hier_vs_horovod_hier_64MB<SUFFIX>   hier_staged time / hier_pipelined time, 64 MiB.
                                       Target >= 1.10 at 1 Gbit/s on 2x2.
 
 CUDA mode (--device cuda; needs a GPU, one rank per GPU), e.g. ``python
@@ -56,7 +56,7 @@ benchmarks/allreduce_bench.py --device cuda --json gpu.json`` at 1 rank.  Ratios
                                 of CUDA tensors, both to completion on the device.  Target
                                 >= 0.8 at 1 rank.
   gpu_pack_bandwidth_fraction   bandwidth of the engine's fusion-buffer pack plus unpack
-                                (aiak_training.common.gpu.executor.pack / unpack over the
+                                (aiak_training.runtime.gpu_executor.pack / unpack over the
                                 same set, as the engine runs them: the batched-copy kernel
                                 where built; 2x the bytes) divided by that of one device-to-
                                 device copy of the whole set.  Target >= 0.7.
@@ -77,8 +77,9 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import aiak_training.torch as hvd  # noqa: E402
-from aiak_training.common import basics, native  # noqa: E402
-from bench_common import (interleave, machine_info, report, resnet50_shapes,  # noqa: E402
+from aiak_training.common import native  # noqa: E402
+from aiak_training.runtime import current  # noqa: E402
+from bench_common import (interleave, link_gbit, machine_info, report, resnet50_shapes,  # noqa: E402
                           summarize, timed)
 
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -96,7 +97,7 @@ def parse_args():
     p.add_argument("--layout", help="layout string for the JSON header, e.g. 2x2")
     p.add_argument("--link-gbit", type=float, default=None)
     p.add_argument("--algos", help="algorithm mode: comma-separated algorithms to compare, "
-                   "e.g. flat,horovod-hier,aiak-hier (see above)")
+                   "e.g. flat,hier_staged,hier_pipelined (see above)")
     p.add_argument("--sizes", default="4K,16K,64K,256K,1M,4M,16M,64M,256M",
                    help="algorithm mode: buffer sizes in bytes (K/M/G suffixes allowed)")
     p.add_argument("--big-reps", type=int, default=5,
@@ -120,7 +121,7 @@ def main():
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     barrier = comm.Barrier
-    engine = basics._engine()
+    engine = current.engine()
 
     shapes = resnet50_shapes()
     total = sum(math.prod(s) for s in shapes)
@@ -194,15 +195,15 @@ def main():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=size)
         # DDP packs gradients (in reverse order) into ~25 MiB buckets and averages them.
-        buckets, current, cur_bytes = [], [], 0
+        buckets, pending, cur_bytes = [], [], 0
         for g in reversed(grads):
-            current.append(g)
+            pending.append(g)
             cur_bytes += g.numel() * 4
             if cur_bytes >= BUCKET_BYTES:
-                buckets.append(torch.cat([t.reshape(-1) for t in current]))
-                current, cur_bytes = [], 0
-        if current:
-            buckets.append(torch.cat([t.reshape(-1) for t in current]))
+                buckets.append(torch.cat([t.reshape(-1) for t in pending]))
+                pending, cur_bytes = [], 0
+        if pending:
+            buckets.append(torch.cat([t.reshape(-1) for t in pending]))
 
         def gloo():
             def body():
@@ -253,7 +254,7 @@ def main():
 def run_cuda(args) -> None:
     from aiak_training.common.gpu import kernels, nccl
     from aiak_training.common.gpu.cudart import runtime
-    from aiak_training.common.gpu.executor import FUSION_ALIGN, pack, unpack
+    from aiak_training.runtime.gpu_executor import FUSION_ALIGN, pack, unpack
 
     hvd.init()
     torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
@@ -326,7 +327,7 @@ def run_cuda(args) -> None:
 
 # ---- algorithm mode (--algos) ----------------------------------------------------------------
 def _parse_size(text: str) -> int:
-    from aiak_training.allreduce._util import parse_bytes
+    from aiak_training.common.env import parse_bytes
     value = parse_bytes(text)
     if value is None or value <= 0:
         raise SystemExit(f"--sizes: cannot read {text!r}")
@@ -394,17 +395,15 @@ def run_algorithms(args) -> None:
         suffix = "" if nominal in (None, "1") else f"_{nominal}gbit"
     ratios = {}
     big = 64 << 20
-    if ("aiak-hier", big) in med:
+    if ("hier_pipelined", big) in med:
         if ("flat", big) in med:
-            ratios[f"hier_vs_flat_64MB{suffix}"] = med[("flat", big)] / med[("aiak-hier", big)]
-        if ("horovod-hier", big) in med:
-            ratios[f"hier_vs_horovod_hier_64MB{suffix}"] = (med[("horovod-hier", big)]
-                                                            / med[("aiak-hier", big)])
+            ratios[f"hier_vs_flat_64MB{suffix}"] = med[("flat", big)] / med[("hier_pipelined", big)]
+        if ("hier_staged", big) in med:
+            ratios[f"hier_vs_horovod_hier_64MB{suffix}"] = (med[("hier_staged", big)]
+                                                            / med[("hier_pipelined", big)])
     layout = args.layout or (f"{topo.num_nodes}x{topo.node_sizes[0]}" if topo.is_homogeneous
                              else "+".join(str(n) for n in topo.node_sizes))
-    link = args.link_gbit
-    if link is None and os.environ.get("AIAK_CLUSTER_LINK_GBIT"):
-        link = float(os.environ["AIAK_CLUSTER_LINK_GBIT"])
+    link = link_gbit(args.link_gbit)
     if rank == 0:
         machine = machine_info(size, layout, link)
         if nominal:

@@ -22,6 +22,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def link_gbit(explicit: Optional[float] = None) -> Optional[float]:
+    """The link rate to report: ``explicit`` if given, else the emulated cluster's
+    (``AIAK_CLUSTER_LINK_GBIT``, set by ``aiak_training.testing.cluster``), else None."""
+    if explicit is not None:
+        return explicit
+    from aiak_training.common.env import env_float
+    rate = env_float("AIAK_CLUSTER_LINK_GBIT", 0.0, minimum=0.0)
+    return rate or None
+
+
 def machine_info(ranks: int = 1, layout: Optional[str] = None,
                  link_gbit: Optional[float] = None, gpu: Optional[str] = None) -> Dict:
     try:

@@ -60,7 +60,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import aiak_training.torch as hvd  # noqa: E402
 from aiak_training.dgc import _kernels, select_topk  # noqa: E402
-from bench_common import (interleave, machine_info, report, resnet50_shapes,  # noqa: E402
+from bench_common import (interleave, link_gbit, machine_info, report, resnet50_shapes,  # noqa: E402
                           summarize, timed)
 
 SELECT_N = 1 << 24
@@ -316,9 +316,7 @@ def main():
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     if hvd.rank() == 0:
-        link = args.link_gbit
-        if link is None and os.environ.get("AIAK_CLUSTER_LINK_GBIT"):
-            link = float(os.environ["AIAK_CLUSTER_LINK_GBIT"])
+        link = link_gbit(args.link_gbit)
         machine = machine_info(hvd.size(), args.layout, link)
         machine["dgc_scan_isa"] = _kernels.isa()
         machine["loadavg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]

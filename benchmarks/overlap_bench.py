@@ -96,8 +96,8 @@ def make_optimizer(kind: str, params):
 # ---- one rank --------------------------------------------------------------------------------
 def run_rank(args) -> None:
     import aiak_training.torch as hvd
-    from aiak_training.common import basics
-    from bench_common import interleave, machine_info, report, summarize
+    from aiak_training.runtime import current
+    from bench_common import interleave, link_gbit, machine_info, report, summarize
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -164,18 +164,17 @@ def run_rank(args) -> None:
         suffix = f"_{nominal or '1'}gbit"
     else:
         suffix = "_local"
-    topo = basics._engine().topology
+    topo = current.engine().topology
     layout = (f"{topo.num_nodes}x{topo.node_sizes[0]}" if topo.is_homogeneous
               else "+".join(str(n) for n in topo.node_sizes))
-    link = float(os.environ["AIAK_CLUSTER_LINK_GBIT"]) if os.environ.get("AIAK_CLUSTER_LINK_GBIT") \
-        else None
+    link = link_gbit()
     if rank == 0:
         import statistics
         nparams = sum(p.numel() for p in opts["sync"].param_groups[0]["params"])
         ntensors = len(opts["sync"].param_groups[0]["params"])
         common = {"params": nparams, "tensors": ntensors, "optimizer": args.optimizer,
                   "batch_per_rank": args.batch,
-                  "fusion_threshold_bytes": basics._engine().config.fusion_threshold}
+                  "fusion_threshold_bytes": current.engine().config.fusion_threshold}
         results = [
             summarize("iteration sync (overlap_update=False)", dict(common), times["sync"]),
             summarize("iteration overlap (overlap_update=True)", dict(common), times["overlap"]),

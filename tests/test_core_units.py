@@ -7,7 +7,7 @@ from aiak_training.common import native
 from aiak_training.common.config import Config
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.messages import OpType, Request, Response
-from aiak_training.common.response_cache import HIT, INVALID, MISS, ResponseCache
+from aiak_training.runtime.response_cache import HIT, INVALID, MISS, ResponseCache
 
 HALF = {DataType.FLOAT16: torch.float16, DataType.BFLOAT16: torch.bfloat16}
 
@@ -124,7 +124,7 @@ def test_response_cache_rerun_hit_and_changed_response():
 
 
 def test_response_fusion_key_and_sizes():
-    from aiak_training.common.engine import TensorEntry
+    from aiak_training.runtime.entries import TensorEntry
     r = Response(OpType.ALLREDUCE, ["x"], dtype=int(DataType.FLOAT64), shapes=[[(3, 5)] * 2],
                  reduce_op=int(ReduceOp.SUM), prescale=0.5)
     assert r.nbytes == 3 * 5 * 8
@@ -149,7 +149,7 @@ def test_response_fusion_key_and_sizes():
 
 def test_stall_shutdown_below_warning_time_is_ignored(caplog):
     from mpi4py import MPI
-    from aiak_training.common.controller import Controller
+    from aiak_training.runtime.controller import Controller
     with caplog.at_level("WARNING", logger="aiak_training"):
         assert Controller(MPI.COMM_SELF, 8, 5.0, 2.0).stall_shutdown_s == 0.0
     assert "will not shutdown" in caplog.text

@@ -11,10 +11,10 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from aiak_training.allreduce.aiak_hier import chunk_spans
+from aiak_training.allreduce.hier_pipelined import chunk_spans
 from aiak_training.common import build_info
 from aiak_training.common.config import Config
-from aiak_training.common.controller import Controller
+from aiak_training.runtime.controller import Controller
 from aiak_training.common.dtypes import DataType as D
 from aiak_training.common.dtypes import ReduceOp as R
 from aiak_training.common.gpu import nccl

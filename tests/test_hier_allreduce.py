@@ -23,16 +23,16 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovi
           "--rootdir", "tests/parallel"]
 COMMON_ENV = {"AIAK_HIER_CHUNK_BYTES": "1024", "HOROVOD_LOG_LEVEL": "INFO"}
 # Layouts where the engine runs flat: skip the engine's dtype matrix (flat is covered by
-# test_multiprocess.py) and the aiak-hier tuning variants, keep every direct algorithm test.
+# test_multiprocess.py) and the hier_pipelined tuning variants, keep every direct algorithm test.
 QUICK = ["-k", "not engine_allreduce_every_dtype and not tuning_options"]
 
 # name: (ranks per node, environment, expected engine algorithm, extra pytest args)
 LAYOUTS = {
-    "2x2": ([2, 2], {"AIAK_ALLREDUCE_ALGO": "hierarchical"}, "aiak-hier", []),
-    "2x3": ([3, 3], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "aiak-hier", []),
-    "2+1": ([2, 1], {}, "aiak-hier", []),  # auto, unequal ranks per node
+    "2x2": ([2, 2], {"AIAK_ALLREDUCE_ALGO": "hierarchical"}, "hier_pipelined", []),
+    "2x3": ([3, 3], {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "hier_pipelined", []),
+    "2+1": ([2, 1], {}, "hier_pipelined", []),  # auto, unequal ranks per node
     "3x1": ([1, 1, 1], {"AIAK_ALLREDUCE_ALGO": "hierarchical"}, "flat", QUICK),
-    "1x3": ([3], {"AIAK_ALLREDUCE_ALGO": "horovod-hier"}, "flat", QUICK),
+    "1x3": ([3], {"AIAK_ALLREDUCE_ALGO": "hier_staged"}, "flat", QUICK),
 }
 
 
@@ -61,24 +61,24 @@ def fake_topology(node_sizes):
 
 
 @pytest.mark.parametrize("algo, hier_flag, nodes, is_global, expected", [
-    ("auto", None, [2, 2], True, "aiak-hier"),         # unset: chosen by topology
-    ("auto", None, [3, 3, 3], True, "aiak-hier"),
-    ("auto", None, [2, 1], True, "aiak-hier"),        # more than one rank on some node
+    ("auto", None, [2, 2], True, "hier_pipelined"),         # unset: chosen by topology
+    ("auto", None, [3, 3, 3], True, "hier_pipelined"),
+    ("auto", None, [2, 1], True, "hier_pipelined"),        # more than one rank on some node
     ("auto", None, [1, 1, 1], True, "flat"),          # one rank per node
     ("auto", None, [4], True, "flat"),                # single node
-    ("auto", True, [2, 2], True, "aiak-hier"),         # HOROVOD_HIERARCHICAL_ALLREDUCE=1
+    ("auto", True, [2, 2], True, "hier_pipelined"),         # HOROVOD_HIERARCHICAL_ALLREDUCE=1
     ("auto", True, [4], True, "flat"),                 # ignored on one node, as in Horovod
     ("flat", True, [2, 2], True, "flat"),              # explicit AIAK_ALLREDUCE_ALGO wins
-    ("hierarchical", False, [2, 2], True, "aiak-hier"),
+    ("hierarchical", False, [2, 2], True, "hier_pipelined"),
     ("hierarchical", False, [1, 1], True, "flat"),
     ("hierarchical", False, [3], True, "flat"),
-    ("horovod-hier", False, [3, 3], True, "horovod-hier"),
-    ("horovod-hier", False, [3], True, "flat"),
-    ("aiak-hier", False, [2, 3], True, "aiak-hier"),
-    ("aiak-hier", False, [2, 2], False, "flat"),       # non-global process sets
+    ("hier_staged", False, [3, 3], True, "hier_staged"),
+    ("hier_staged", False, [3], True, "flat"),
+    ("hier_pipelined", False, [2, 3], True, "hier_pipelined"),
+    ("hier_pipelined", False, [2, 2], False, "flat"),       # non-global process sets
     ("auto", True, [2, 2], False, "flat"),
     ("auto", False, [2, 2], True, "flat"),              # HOROVOD_HIERARCHICAL_ALLREDUCE=0
-    ("aiak-hier", False, [2, 2], True, "aiak-hier"),    # explicit AIAK_ALLREDUCE_ALGO wins
+    ("hier_pipelined", False, [2, 2], True, "hier_pipelined"),    # explicit AIAK_ALLREDUCE_ALGO wins
 ])
 def test_resolve_algorithm(algo, hier_flag, nodes, is_global, expected):
     cfg = Config(allreduce_algo=algo, hierarchical_allreduce=hier_flag)
@@ -90,12 +90,12 @@ def test_resolve_algorithm(algo, hier_flag, nodes, is_global, expected):
 def test_config_from_env_reaches_resolution(monkeypatch):
     monkeypatch.delenv("AIAK_ALLREDUCE_ALGO", raising=False)
     monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "1")
-    assert resolve_algorithm(Config.from_env(), fake_topology([2, 2]), True)[0] == "aiak-hier"
+    assert resolve_algorithm(Config.from_env(), fake_topology([2, 2]), True)[0] == "hier_pipelined"
     monkeypatch.setenv("AIAK_ALLREDUCE_ALGO", "flat")
     assert resolve_algorithm(Config.from_env(), fake_topology([2, 2]), True)[0] == "flat"
     monkeypatch.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "0")
-    monkeypatch.setenv("AIAK_ALLREDUCE_ALGO", "horovod-hier")
-    assert resolve_algorithm(Config.from_env(), fake_topology([2, 2]), True)[0] == "horovod-hier"
+    monkeypatch.setenv("AIAK_ALLREDUCE_ALGO", "hier_staged")
+    assert resolve_algorithm(Config.from_env(), fake_topology([2, 2]), True)[0] == "hier_staged"
 
 
 # ---- end to end on an emulated cluster -------------------------------------------------------
@@ -112,7 +112,7 @@ def test_emulated_cluster_2x2_end_to_end():
     env = {k: v for k, v in env_with().items()
            if k in ("PYTHONPATH", "OMP_NUM_THREADS") or k.startswith("HOROVOD_STALL")}
     env.update(COMMON_ENV, AIAK_ALLREDUCE_ALGO="hierarchical", AIAK_TEST_LAYOUT="2,2",
-               AIAK_TEST_EXPECT_ALGO="aiak-hier", AIAK_TEST_REAL_NODES="1")
+               AIAK_TEST_EXPECT_ALGO="hier_pipelined", AIAK_TEST_REAL_NODES="1")
     with EmulatedCluster(nodes=2, ranks_per_node=2, rate_gbit=1.0, verify="off",
                          log=None) as cluster:
         cmd = cluster.mpiexec_args(4) + PYTEST + ["-k", "engine", SUITE]
@@ -120,6 +120,6 @@ def test_emulated_cluster_2x2_end_to_end():
                            cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    check_suite_output(out, 4, "aiak-hier")
+    check_suite_output(out, 4, "hier_pipelined")
     # Nothing skipped: the real-node topology test and the algorithm check both ran.
     assert not re.search(r"\d+ skipped", out), out[-3000:]

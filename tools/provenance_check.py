@@ -64,30 +64,55 @@ def _significant(line: str) -> bool:
 
 
 def _prose_of_python(text: str) -> List[str]:
-    """Comments, docstrings and string literals of a Python file."""
-    out = []
+    """Comments, docstrings and string literals of a Python file; adjacent literals (implicit
+    concatenation or ``+``) are joined, so a sentence split over lines is read whole."""
+    out: List[str] = []
+    pending: List[str] = []
     try:
         for tok in tokenize.generate_tokens(io.StringIO(text).readline):
-            if tok.type == tokenize.COMMENT:
-                out.append(tok.string.lstrip("#"))
-            elif tok.type == tokenize.STRING:
+            if tok.type == tokenize.STRING:
                 try:
                     value = ast.literal_eval(tok.string)
                 except (ValueError, SyntaxError):
                     value = tok.string
                 if isinstance(value, bytes):
                     value = value.decode("utf-8", "replace")
-                out.append(str(value))
+                pending.append(str(value))
+                continue
+            if tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT) \
+                    or tok.string == "+":
+                continue
+            if pending:
+                out.append("".join(pending))
+                pending = []
+            if tok.type == tokenize.COMMENT:
+                out.append(tok.string.lstrip("#"))
     except (tokenize.TokenError, IndentationError, SyntaxError):
         out.append(text)
+    if pending:
+        out.append("".join(pending))
     return out
 
 
 _C_PROSE = re.compile(r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"", re.S)
+_C_JOIN = re.compile(r"\s*(?:<<\s*)?")
 
 
 def _prose_of_c(text: str) -> List[str]:
-    return [m.group(0).strip("/*\"") for m in _C_PROSE.finditer(text)]
+    """Comments and string literals; literals next to each other (or streamed one after the
+    other with ``<<``) are joined into one."""
+    out: List[str] = []
+    last_end, last_was_string = -1, False
+    for m in _C_PROSE.finditer(text):
+        token = m.group(0)
+        is_string = token.startswith('"')
+        body = token[1:-1] if is_string else token.strip("/*")
+        if is_string and last_was_string and _C_JOIN.fullmatch(text, last_end, m.start()):
+            out[-1] += body
+        else:
+            out.append(body)
+        last_end, last_was_string = m.end(), is_string
+    return out
 
 
 def _prose(path: str, text: str) -> List[str]:

@@ -8,8 +8,14 @@ Signature of every algorithm::
 the engine applies the scale factors.
 
 * ``flat`` (flat.py): the MPI library's allreduce on the whole communicator.
-* ``horovod-hier`` (horovod_hier.py): Horovod's hierarchical algorithm, the baseline.
-* ``aiak-hier`` (aiak_hier.py): pipelined, shared-memory hierarchical allreduce.
+* ``hier_staged`` (hier_staged.py): reduce-scatter in the node, allreduce across nodes,
+  allgather in the node, one stage after the other (Horovod's hierarchical scheme); the
+  baseline.
+* ``hier_pipelined`` (hier_pipelined.py): the same three stages pipelined over chunks, with
+  the in-node stages in shared memory.
+* ``hier_nccl`` (hier_nccl.py): the pipelined scheme on NCCL, for GPU buffers.
+
+Their earlier names ``horovod-hier`` and ``aiak-hier`` are accepted as aliases.
 
 :func:`select_algorithm` turns ``AIAK_ALLREDUCE_ALGO`` / ``HOROVOD_HIERARCHICAL_ALLREDUCE`` and
 the topology into one of them; :func:`create_algorithm` builds one by name (tests and
@@ -19,14 +25,14 @@ import logging
 from typing import Callable, Tuple
 
 from aiak_training.allreduce.flat import flat_allreduce
-from aiak_training.common.config import Config
+from aiak_training.common.config import ALLREDUCE_ALGO_ALIASES, Config
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.topology import Topology
 
 Algorithm = Callable[[Topology, int, int, DataType, ReduceOp], None]
 
 #: Names accepted by :func:`create_algorithm`.
-ALGORITHMS = ("flat", "horovod-hier", "aiak-hier")
+ALGORITHMS = ("flat", "hier_staged", "hier_pipelined")
 
 log = logging.getLogger("aiak_training")
 
@@ -39,12 +45,12 @@ def resolve_algorithm(config: Config, topology: Topology, is_global: bool) -> Tu
 
     * process sets other than the global one use ``flat`` (their ranks need not form whole
       nodes, and the shared windows belong to the global set);
-    * ``AIAK_ALLREDUCE_ALGO=flat|horovod-hier|aiak-hier`` is taken as asked, except that
+    * ``AIAK_ALLREDUCE_ALGO=flat|hier_staged|hier_pipelined`` is taken as asked, except that
     * every hierarchical choice becomes ``flat`` on a single node, or with one rank on every
       node, where there is no second level (Horovod ignores its switch on one node, too);
-    * ``hierarchical`` means ``aiak-hier``;
-    * ``auto`` (the default) means ``aiak-hier`` when there is more than one node and more than
-      one rank on some node, ``flat`` otherwise; with ``auto``, a set
+    * ``hierarchical`` means ``hier_pipelined``;
+    * ``auto`` (the default) means ``hier_pipelined`` when there is more than one node and
+      more than one rank on some node, ``flat`` otherwise; with ``auto``, a set
       ``HOROVOD_HIERARCHICAL_ALLREDUCE`` decides: ``1`` asks for ``hierarchical`` and ``0``
       for ``flat`` (Horovod's own algorithm), as with horovodrun.  An explicit
       ``AIAK_ALLREDUCE_ALGO`` wins over ``HOROVOD_HIERARCHICAL_ALLREDUCE``.
@@ -67,7 +73,7 @@ def resolve_algorithm(config: Config, topology: Topology, is_global: bool) -> Tu
     if topology.size == nodes:
         return "flat", f"{source}, but every node has one rank"
     if requested in ("auto", "hierarchical"):
-        return "aiak-hier", source
+        return "hier_pipelined", source
     if requested in ALGORITHMS:
         return requested, source
     raise ValueError(f"Unknown allreduce algorithm {requested!r}.")
@@ -75,36 +81,37 @@ def resolve_algorithm(config: Config, topology: Topology, is_global: bool) -> Tu
 
 def create_algorithm(name: str, topology: Topology, **options) -> Algorithm:
     """Build algorithm ``name`` for ``topology``.  Collective over ``topology.comm`` for the
-    hierarchical ones (aiak-hier allocates its shared window).  Stateful algorithms have a
+    hierarchical ones (hier_pipelined allocates its shared window).  Stateful algorithms have a
     ``close()`` method, collective as well; ``options`` go to their constructor."""
+    name = ALLREDUCE_ALGO_ALIASES.get(name, name)
     if name == "flat":
         return flat_allreduce
-    if name == "horovod-hier":
-        from aiak_training.allreduce.horovod_hier import HorovodHierAllreduce
-        return HorovodHierAllreduce(topology)
-    if name == "aiak-hier":
-        from aiak_training.allreduce.aiak_hier import (AiakHierAllreduce,
+    if name == "hier_staged":
+        from aiak_training.allreduce.hier_staged import StagedHierAllreduce
+        return StagedHierAllreduce(topology)
+    if name == "hier_pipelined":
+        from aiak_training.allreduce.hier_pipelined import (PipelinedHierAllreduce,
                                                        SharedMemoryUnavailable,
                                                        shared_memory_usable)
-        from aiak_training.allreduce.horovod_hier import HorovodHierAllreduce
+        from aiak_training.allreduce.hier_staged import StagedHierAllreduce
         if not shared_memory_usable(topology):
             if topology.rank == 0:
-                log.warning("aiak-hier needs the ranks of a node to share memory, and these "
-                            "do not (HOROVOD_HOSTNAME spans machines?); using horovod-hier.")
-            return HorovodHierAllreduce(topology)
+                log.warning("hier_pipelined needs the ranks of a node to share memory, and these "
+                            "do not (HOROVOD_HOSTNAME spans machines?); using hier_staged.")
+            return StagedHierAllreduce(topology)
         try:
-            return AiakHierAllreduce(topology, **options)
+            return PipelinedHierAllreduce(topology, **options)
         except SharedMemoryUnavailable as exc:  # the same on every rank
             if topology.rank == 0:
-                log.warning("aiak-hier: %s; using horovod-hier. Give the ranks more shared "
+                log.warning("hier_pipelined: %s; using hier_staged. Give the ranks more shared "
                             "memory (/dev/shm, e.g. docker --shm-size) or lower "
                             "AIAK_HIER_CHUNK_BYTES / AIAK_HIER_SLOTS.", exc)
-            return HorovodHierAllreduce(topology)
+            return StagedHierAllreduce(topology)
     raise ValueError(f"Unknown allreduce algorithm {name!r}; expected one of {ALGORITHMS}.")
 
 
 def close_algorithm(algorithm: Algorithm) -> None:
-    """Release what ``algorithm`` holds (collective for aiak-hier); a no-op for flat."""
+    """Release what ``algorithm`` holds (collective for hier_pipelined); a no-op for flat."""
     close = getattr(algorithm, "close", None)
     if close is not None:
         close()
@@ -125,7 +132,7 @@ def select_algorithm(config: Config, topology: Topology, is_global: bool) -> Alg
     if is_global and topology.rank == 0:
         actual = getattr(algorithm, "name", "flat")
         extra = ""
-        if actual == "aiak-hier":
+        if actual == "hier_pipelined":
             extra = (f"; {algorithm.owners} stream(s) per node, chunk {algorithm.chunk_bytes} "
                      f"bytes, {algorithm.slots} slots")
         log.info("allreduce algorithm: %s (%s; %d node(s), ranks per node %s)%s", actual, why,

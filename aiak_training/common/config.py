@@ -1,61 +1,36 @@
 """Runtime settings, read from Horovod's environment variables (AIAK_* only for new knobs)."""
-import os
 from dataclasses import dataclass
 from typing import Optional
 
+from aiak_training.common.env import (env_bool, env_bytes, env_choice, env_float, env_int,
+                                      env_optional_bool, env_str)
 
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"Environment variable {name}={value!r} is not a number.") from None
-
-
-def env_int(name: str, default: int) -> int:
-    return int(_env_float(name, default))
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
-
-
-def _env_switch(name: str) -> Optional[bool]:
-    """A numeric on/off variable, as Horovod reads it (> 0 is on), or None when unset."""
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
-        return None
-    return env_int(name, 0) > 0
-
-
-# auto/flat/hierarchical are the user-facing choices; horovod-hier and aiak-hier name the
-# two hierarchical algorithms explicitly (hierarchical means aiak-hier).
-ALLREDUCE_ALGOS = ("auto", "flat", "hierarchical", "horovod-hier", "aiak-hier")
-
+#: Values of AIAK_ALLREDUCE_ALGO.  ``auto`` lets the topology decide, ``hierarchical`` means
+#: ``hier_pipelined``; the others name one algorithm of :mod:`aiak_training.allreduce`.
+ALLREDUCE_ALGOS = ("auto", "flat", "hierarchical", "hier_staged", "hier_pipelined")
+#: Earlier spellings, still accepted.
+ALLREDUCE_ALGO_ALIASES = {"horovod-hier": "hier_staged", "aiak-hier": "hier_pipelined"}
 
 GPU_TRANSPORTS = ("nccl", "mpi")
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+
+
+def _allreduce_algo() -> str:
+    name = env_choice("AIAK_ALLREDUCE_ALGO", "auto",
+                      ALLREDUCE_ALGOS + tuple(ALLREDUCE_ALGO_ALIASES))
+    return ALLREDUCE_ALGO_ALIASES.get(name, name)
 
 
 def _gpu_transport() -> str:
     """AIAK_GPU_TRANSPORT wins; otherwise HOROVOD_GPU_OPERATIONS (or HOROVOD_GPU_ALLREDUCE, its
     older per-op form) set to MPI asks for the MPI path."""
-    value = os.environ.get("AIAK_GPU_TRANSPORT", "").strip().lower()
-    if value:
-        if value not in GPU_TRANSPORTS:
-            raise ValueError(f"AIAK_GPU_TRANSPORT={value!r}: expected one of "
-                             f"{', '.join(GPU_TRANSPORTS)}.")
-        return value
+    explicit = env_choice("AIAK_GPU_TRANSPORT", "", GPU_TRANSPORTS)
+    if explicit:
+        return explicit
     for name in ("HOROVOD_GPU_OPERATIONS", "HOROVOD_GPU_ALLREDUCE"):
-        value = os.environ.get(name, "").strip().upper()
-        if value == "MPI":
-            return "mpi"
-        if value and value != "NCCL":
-            raise ValueError(f"{name}={value!r}: aiak_training supports NCCL or MPI.")
+        value = env_choice(name, "", ("nccl", "mpi"))
+        if value:
+            return value
     return "nccl"
 
 
@@ -84,26 +59,22 @@ class Config:
 
     @classmethod
     def from_env(cls) -> "Config":
-        cfg = cls(
-            fusion_threshold=env_int("HOROVOD_FUSION_THRESHOLD", cls.fusion_threshold),
-            cycle_time_ms=_env_float("HOROVOD_CYCLE_TIME", cls.cycle_time_ms),
-            cache_capacity=env_int("HOROVOD_CACHE_CAPACITY", cls.cache_capacity),
-            stall_check_disable=env_flag("HOROVOD_STALL_CHECK_DISABLE"),
-            stall_check_time_s=_env_float("HOROVOD_STALL_CHECK_TIME_SECONDS", cls.stall_check_time_s),
-            stall_shutdown_time_s=_env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
-                                             cls.stall_shutdown_time_s),
-            timeline=os.environ.get("HOROVOD_TIMELINE") or None,
-            timeline_mark_cycles=env_flag("HOROVOD_TIMELINE_MARK_CYCLES"),
-            hierarchical_allreduce=_env_switch("HOROVOD_HIERARCHICAL_ALLREDUCE"),
-            allreduce_algo=os.environ.get("AIAK_ALLREDUCE_ALGO", "auto").strip().lower() or "auto",
-            dynamic_process_sets=env_flag("HOROVOD_DYNAMIC_PROCESS_SETS"),
-            zero_copy_bytes=env_int("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
-            log_level=os.environ.get("HOROVOD_LOG_LEVEL", "WARNING").upper(),
+        return cls(
+            fusion_threshold=env_int("HOROVOD_FUSION_THRESHOLD", cls.fusion_threshold,
+                                     minimum=0),
+            cycle_time_ms=env_float("HOROVOD_CYCLE_TIME", cls.cycle_time_ms, minimum=0.0),
+            cache_capacity=env_int("HOROVOD_CACHE_CAPACITY", cls.cache_capacity, minimum=0),
+            stall_check_disable=env_bool("HOROVOD_STALL_CHECK_DISABLE"),
+            stall_check_time_s=env_float("HOROVOD_STALL_CHECK_TIME_SECONDS",
+                                         cls.stall_check_time_s, minimum=0.0),
+            stall_shutdown_time_s=env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+                                            cls.stall_shutdown_time_s, minimum=0.0),
+            timeline=env_str("HOROVOD_TIMELINE"),
+            timeline_mark_cycles=env_bool("HOROVOD_TIMELINE_MARK_CYCLES"),
+            hierarchical_allreduce=env_optional_bool("HOROVOD_HIERARCHICAL_ALLREDUCE"),
+            allreduce_algo=_allreduce_algo(),
+            dynamic_process_sets=env_bool("HOROVOD_DYNAMIC_PROCESS_SETS"),
+            zero_copy_bytes=env_bytes("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
+            log_level=env_choice("HOROVOD_LOG_LEVEL", "warning", LOG_LEVELS).upper(),
             gpu_transport=_gpu_transport(),
         )
-        if cfg.allreduce_algo not in ALLREDUCE_ALGOS:
-            raise ValueError(f"AIAK_ALLREDUCE_ALGO={cfg.allreduce_algo!r}: expected one of "
-                             f"{', '.join(ALLREDUCE_ALGOS)}.")
-        if cfg.fusion_threshold < 0:
-            raise ValueError("HOROVOD_FUSION_THRESHOLD must be >= 0.")
-        return cfg

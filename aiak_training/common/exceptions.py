@@ -1,19 +1,19 @@
-"""Exception types, named as in Horovod."""
+"""Exception types.  The class names are Horovod's, so ``except hvd.HorovodInternalError``
+in user code keeps working."""
 
 
 class HorovodInternalError(RuntimeError):
-    """Internal error raised when a Horovod collective operation (e.g., allreduce) fails.
+    """A collective failed on this rank: a peer died or disagreed, or the job was stopped.
 
-    This is handled in elastic mode as a recoverable error, and will result in a reset event.
+    Every pending and later operation raises it until the job is restarted (elastic training
+    treats it as the signal to reset).
     """
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Internal interrupt event indicating that the set of hosts in the job has changed."""
+    """Hosts were added to or removed from an elastic job; ``skip_sync`` is True when only
+    additions happened, so state need not be synchronized again."""
 
     def __init__(self, skip_sync: bool = False):
         super().__init__()
         self.skip_sync = skip_sync
-
-
-NOT_INITIALIZED_MESSAGE = "Horovod has not been initialized; use hvd.init()."

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Iterable, List, Optional
 
+from aiak_training.common.env import env_bool
+
 COMPAT_ENV = "AIAK_HOROVOD_COMPAT"
 
 
@@ -51,8 +53,7 @@ def find_real_horovod(search_path: Optional[Iterable[str]] = None) -> Optional[s
 
 def compat_requested(flag: bool, environ: Optional[dict] = None) -> bool:
     """True if ``--horovod-compat`` was given or ``AIAK_HOROVOD_COMPAT`` is set to a true value."""
-    env = os.environ if environ is None else environ
-    return flag or env.get(COMPAT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return flag or env_bool(COMPAT_ENV, environ=environ)
 
 
 def compat_pythonpath(current: Optional[str], extra_search_path: Iterable[str] = ()) -> str:

@@ -26,7 +26,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from aiak_training.common.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.dgc import _kernels
 from aiak_training.torch.mpi_ops import allgather_async, synchronize
 

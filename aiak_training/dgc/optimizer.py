@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from aiak_training.common.process_sets import global_process_set
+from aiak_training.runtime.process_sets import global_process_set
 from aiak_training.dgc import _kernels
 from aiak_training.dgc.exchange import PendingExchange, sparse_allgather_async
 from aiak_training.torch.compression import Compression

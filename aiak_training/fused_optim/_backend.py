@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from aiak_training.common.env import env_int
 from aiak_training.common.once import warn_once
 
 # dtype codes shared with csrc/fused_optim/fused_optim.h and csrc/cuda/aiak_fused_cuda.h
@@ -52,10 +53,7 @@ def num_threads() -> int:
     Using torch's number rather than all cores keeps several ranks on one machine from
     oversubscribing it (each launcher sets OMP_NUM_THREADS / torch.set_num_threads per rank).
     """
-    env = os.environ.get("AIAK_FUSED_OPTIM_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, torch.get_num_threads())
+    return env_int("AIAK_FUSED_OPTIM_THREADS", max(1, torch.get_num_threads()), minimum=1)
 
 
 def state_dtype(param_dtype: torch.dtype) -> torch.dtype:

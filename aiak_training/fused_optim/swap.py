@@ -7,11 +7,12 @@ and hyper-parameters, with any existing state carried over through ``state_dict`
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Dict, Optional, Type
 
 import torch
+
+from aiak_training.common.env import env_bool
 
 from ._backend import SUPPORTED_DEVICE_TYPES, SUPPORTED_DTYPES
 from .adam import FusedAdam, FusedAdamW
@@ -30,7 +31,7 @@ _EQUIVALENT: Dict[type, Type[torch.optim.Optimizer]] = {
 
 
 def _enabled() -> bool:
-    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_bool(ENV_VAR)
 
 
 def fused_class_for(optimizer: torch.optim.Optimizer) -> Optional[Type[torch.optim.Optimizer]]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import List, Optional, Sequence, Tuple
 
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
-ALLREDUCE_ALGOS = ("flat", "hierarchical", "auto", "horovod-hier", "aiak-hier")
+from aiak_training.common.config import ALLREDUCE_ALGO_ALIASES, ALLREDUCE_ALGOS, LOG_LEVELS
 
 # Flags horovodrun has that only make sense with its elastic driver, Gloo or LSF; they are
 # parsed so that the error names the missing feature instead of argparse's "unrecognized".
@@ -148,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="process binding arguments that replace the defaults")
 
     log = p.add_argument_group("logging")
-    log.add_argument("--log-level", dest="log_level", type=str.upper, choices=LOG_LEVELS,
+    log.add_argument("--log-level", dest="log_level", type=str.upper,
+                     choices=[level.upper() for level in LOG_LEVELS],
                      help="engine log level (HOROVOD_LOG_LEVEL)")
     log.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_hide_time",
                      action="store_const", const=False, default=None,
@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "the whole environment is passed anyway, as horovodrun does)")
     ours.add_argument("--overlap-update", dest="overlap_update", action="store_true",
                       help="overlap optimizer updates with communication (AIAK_OVERLAP_UPDATE=1)")
-    ours.add_argument("--allreduce-algo", dest="allreduce_algo", choices=ALLREDUCE_ALGOS,
+    ours.add_argument("--allreduce-algo", dest="allreduce_algo",
+                      choices=ALLREDUCE_ALGOS + tuple(ALLREDUCE_ALGO_ALIASES),
                       help="allreduce algorithm (AIAK_ALLREDUCE_ALGO; default auto)")
     ours.add_argument("--fused-optimizer", dest="fused_optimizer", action="store_true",
                       help="use the fused optimizer kernels (AIAK_FUSED_OPTIMIZER=1)")

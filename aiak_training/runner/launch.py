@@ -15,6 +15,7 @@ import sys
 import tempfile
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from aiak_training.common.env import env_bool
 from aiak_training.compat import (COMPAT_ENV, RealHorovodError, compat_pythonpath,
                                   compat_requested)
 from aiak_training.runner.args import (ignored_flags, network_interfaces, parse_args,
@@ -38,10 +39,6 @@ CLUSTER_HOSTS_ENV = "AIAK_CLUSTER_HOSTS"
 
 class UsageError(ValueError):
     """A problem with the command line or its inputs (exit status 2)."""
-
-
-def _truthy(value: Optional[str]) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _warn(message: str) -> None:
@@ -106,7 +103,7 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], launcher: MpiL
 
     Side effects are limited to ``run_dir`` (the ssh agent script for MPICH, if needed).
     """
-    virtual = args.virtual_hosts or _truthy(environ.get(VIRTUAL_HOSTS_ENV))
+    virtual = args.virtual_hosts or env_bool(VIRTUAL_HOSTS_ENV, environ=environ)
     cluster_exec = environ.get(CLUSTER_LAUNCHER_ENV) or None
     cluster_hook = bool(cluster_exec) and launcher.flavour is Flavour.MPICH and not virtual
     if cluster_exec and not cluster_hook:

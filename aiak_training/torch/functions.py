@@ -6,7 +6,7 @@ from typing import Any, List, Optional
 import cloudpickle
 import torch
 
-from aiak_training.common.process_sets import global_process_set
+from aiak_training.runtime.process_sets import global_process_set
 from aiak_training.torch.mpi_ops import (allgather, broadcast_, broadcast_async_, rank, size,
                                          synchronize)
 

@@ -10,8 +10,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from aiak_training.common import basics as _basics
-from aiak_training.common.basics import (add_process_set, ccl_built, cross_rank, cross_size,  # noqa: F401
+from aiak_training.runtime import basics as _basics
+from aiak_training.runtime import current
+from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank, cross_size,  # noqa: F401
                                          cuda_built, ddl_built, gloo_built, gloo_enabled,
                                          is_homogeneous, is_initialized, local_rank,
                                          local_size, mpi_built, mpi_enabled,
@@ -19,10 +20,10 @@ from aiak_training.common.basics import (add_process_set, ccl_built, cross_rank,
                                          remove_process_set, rocm_built, shutdown, size,
                                          start_timeline, stop_timeline)
 from aiak_training.common.dtypes import DataType, ReduceOp
-from aiak_training.common.engine import TensorEntry
+from aiak_training.runtime.entries import TensorEntry
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
 from aiak_training.common.messages import OpType, Request
-from aiak_training.common.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.compression import Compression
 from aiak_training.torch import cuda as _cuda
 from aiak_training.torch import output_pool
@@ -154,7 +155,7 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
     """Enqueue one request per (input, output) pair; return a single user handle."""
     if not pairs:
         raise ValueError("Expected at least one tensor.")
-    engine = _basics._engine()
+    engine = current.engine()
     set_rank = _set_rank(engine, process_set)
     dtypes = [_dtype(inp) for inp, _ in pairs]  # all valid before a name is taken
     on_gpu = pairs[0][0].is_cuda
@@ -637,7 +638,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 # ---- broadcast ----------------------------------------------------------------------------
 def _broadcast_async(tensor, output, root_rank, name, process_set, finish) -> int:
     _check_tensor(tensor)
-    engine = _basics._engine()
+    engine = current.engine()
     ranks, _, _ = engine.process_set_info(process_set.process_set_id) \
         if process_set.process_set_id is not None else ([], None, None)
     if root_rank not in ranks:
@@ -981,7 +982,7 @@ def poll(handle: int) -> bool:
     Returns:
         A flag indicating whether the operation has completed.
     """
-    engine = _basics._engine()
+    engine = current.engine()
     if handle not in _gpu_handles:
         return engine.poll(handle)
     # Every tensor of the op is enqueued, and the device has finished all of them.
@@ -1023,8 +1024,8 @@ def join(device: int = -1) -> int:
         device = torch.cuda.current_device()  # a rank that joins before any GPU op
     if device is not None and device >= 0:
         # Zeros for GPU collectives that run while this rank has joined go on this device.
-        _basics._engine().join_device = int(device)
-    return int(_basics._control(OpType.JOIN, "join"))
+        current.engine().join_device = int(device)
+    return int(current.engine().run_control(0, OpType.JOIN, "join"))
 
 
 def barrier(process_set=global_process_set) -> None:
@@ -1037,8 +1038,6 @@ def barrier(process_set=global_process_set) -> None:
         process_set: Process set object to limit this operation to a subset of
                      Horovod processes. Default is the global process set.
     """
-    engine = _basics._engine()
-    set_rank = _set_rank(engine, process_set)
-    req = Request(rank=set_rank, name="barrier", op_type=OpType.BARRIER)
-    (h,) = engine.enqueue(process_set.process_set_id, [req], [TensorEntry("barrier", 0, (), 0)])
-    engine.wait(h)
+    engine = current.engine()
+    _set_rank(engine, process_set)  # raises for a set this rank is not in
+    engine.run_control(process_set.process_set_id, OpType.BARRIER, "barrier")

@@ -12,7 +12,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from aiak_training.common.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.torch import overlap as _overlap
 from aiak_training.torch.compression import Compression
 from aiak_training.torch.mpi_ops import (Adasum, Average, allreduce_async_,

@@ -23,7 +23,7 @@ from typing import Dict, List, Sequence
 import numpy as np
 import torch
 
-from aiak_training.common.config import env_int
+from aiak_training.common.env import env_bytes
 
 _ROUND = 64 << 10  # sizes are rounded to 64 KiB so that near sizes share blocks
 
@@ -81,8 +81,8 @@ class OutputPool:
             self._cached = 0
 
 
-pool = OutputPool(env_int("AIAK_OUTPUT_POOL_MIN_BYTES", 1 << 20),
-                  env_int("AIAK_OUTPUT_POOL_BYTES", 1 << 30))
+pool = OutputPool(env_bytes("AIAK_OUTPUT_POOL_MIN_BYTES", 1 << 20),
+                  env_bytes("AIAK_OUTPUT_POOL_BYTES", 1 << 30))
 
 
 def empty_like(t: torch.Tensor) -> torch.Tensor:

@@ -30,14 +30,13 @@ why once per optimizer (see :data:`FALLBACK_REASONS`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from aiak_training.common.config import env_flag
+from aiak_training.common.env import env_bool, env_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from aiak_training.torch.optimizer import _DistributedOptimizer
@@ -95,7 +94,7 @@ def _fused_classes() -> Dict[type, Optional[Callable[[Any], Optional[str]]]]:
 
 def requested(overlap_update: Optional[bool]) -> bool:
     """The argument if given, else ``AIAK_OVERLAP_UPDATE``."""
-    return env_flag(ENV_VAR) if overlap_update is None else bool(overlap_update)
+    return env_bool(ENV_VAR) if overlap_update is None else bool(overlap_update)
 
 
 def _unwrap(fn: Any) -> Any:
@@ -151,7 +150,7 @@ class Overlap:
         # Completed gradients are updated together until they reach this many bytes (or
         # nothing else is pending), so a trickle of small completions does not cost one
         # optimizer call each.
-        self.min_bucket_bytes = int(os.environ.get(MIN_BUCKET_ENV_VAR, "") or DEFAULT_MIN_BUCKET_BYTES)
+        self.min_bucket_bytes = env_bytes(MIN_BUCKET_ENV_VAR, DEFAULT_MIN_BUCKET_BYTES)
         self.stats = OverlapStats()
         self.logged: Set[str] = set()
 
@@ -204,8 +203,8 @@ class Overlap:
     # ---- the overlapped step ---------------------------------------------------------------
     def step(self, opt: "_DistributedOptimizer", base_step: Callable[[], Any]) -> None:
         """Reduce-and-update bucket by bucket.  ``base_step()`` is the wrapped optimizer's step."""
-        from aiak_training.common import basics
-        engine = basics._engine()
+        from aiak_training.runtime import current
+        engine = current.engine()
         stats = self.stats
         opt._submit_pending()
         handles = opt._handles

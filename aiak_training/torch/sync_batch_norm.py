@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from aiak_training.common.process_sets import global_process_set
+from aiak_training.runtime.process_sets import global_process_set
 from aiak_training.torch.mpi_ops import Sum, allreduce, size
 
 

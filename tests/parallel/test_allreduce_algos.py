@@ -1,4 +1,4 @@
-"""Allreduce algorithms (flat, horovod-hier, aiak-hier), checked exactly on every rank.
+"""Allreduce algorithms (flat, hier_staged, hier_pipelined), checked exactly on every rank.
 
 Launched by tests/test_hier_allreduce.py on several node layouts (virtual nodes through
 HOROVOD_HOSTNAME, or a real emulated cluster).  Two groups of tests:
@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 import aiak_training.torch as hvd
 from aiak_training.allreduce import ALGORITHMS, close_algorithm, create_algorithm
-from aiak_training.common import basics
+from aiak_training.runtime import current
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.topology import build_topology
 from helpers import cast_like, expected_layout
@@ -90,7 +90,7 @@ def topo():
 @pytest.fixture(scope="module")
 def algos(topo):
     made = {name: create_algorithm(name, topo, **({"chunk_bytes": CHUNK_BYTES}
-                                                  if name == "aiak-hier" else {}))
+                                                  if name == "hier_pipelined" else {}))
             for name in ALGORITHMS}
     yield made
     for a in made.values():
@@ -141,7 +141,7 @@ def test_algo_sizes(algos, topo, name):
 
 
 def test_algo_interleaved_calls_reuse_state(algos, topo):
-    """Back-to-back calls of every algorithm with changing sizes and dtypes: aiak-hier's
+    """Back-to-back calls of every algorithm with changing sizes and dtypes: hier_pipelined's
     chunk counters and slots carry over between calls."""
     rng = np.random.default_rng(2024)  # same sequence on every rank
     kinds = [(torch.float32, "sum"), (torch.float16, "max"), (torch.int8, "min"),
@@ -159,10 +159,10 @@ def test_algo_interleaved_calls_reuse_state(algos, topo):
     ({"chunk_bytes": 4096, "use_worker": False}, [97, 5003]),  # all steps on this thread
     ({"chunk_bytes": 1 << 20}, [5003, 40009]),               # one chunk for everything
 ])
-def test_algo_aiak_hier_tuning_options(topo, options, sizes):
-    algo = create_algorithm("aiak-hier", topo, **options)
+def test_algo_hier_pipelined_tuning_options(topo, options, sizes):
+    algo = create_algorithm("hier_pipelined", topo, **options)
     try:
-        if getattr(algo, "name", "") == "aiak-hier":
+        if getattr(algo, "name", "") == "hier_pipelined":
             assert algo.chunk_bytes % 64 == 0 and algo.chunk_bytes >= options["chunk_bytes"]
         for i, n in enumerate(sizes):
             run_algo(algo, topo, n, torch.float32, "sum", seed=i)
@@ -171,8 +171,8 @@ def test_algo_aiak_hier_tuning_options(topo, options, sizes):
         close_algorithm(algo)
 
 
-def test_algo_aiak_hier_small_messages_use_flat(topo):
-    algo = create_algorithm("aiak-hier", topo, chunk_bytes=256, min_bytes=1024)
+def test_algo_hier_pipelined_small_messages_use_flat(topo):
+    algo = create_algorithm("hier_pipelined", topo, chunk_bytes=256, min_bytes=1024)
     try:
         for n in (1, 100, 255, 256, 1000):  # float32: below and above 1 KiB
             run_algo(algo, topo, n, torch.float32, "sum", seed=n)
@@ -180,11 +180,11 @@ def test_algo_aiak_hier_small_messages_use_flat(topo):
         close_algorithm(algo)
 
 
-def test_algo_aiak_hier_without_shared_memory_falls_back(topo):
-    # 64 TiB slots cannot be mapped anywhere: every rank must agree to use horovod-hier.
-    algo = create_algorithm("aiak-hier", topo, chunk_bytes=1 << 46)
+def test_algo_hier_pipelined_without_shared_memory_falls_back(topo):
+    # 64 TiB slots cannot be mapped anywhere: every rank must agree to use hier_staged.
+    algo = create_algorithm("hier_pipelined", topo, chunk_bytes=1 << 46)
     try:
-        assert getattr(algo, "name", "") == "horovod-hier"
+        assert getattr(algo, "name", "") == "hier_staged"
         run_algo(algo, topo, 1001, torch.float32, "sum", seed=9)
     finally:
         close_algorithm(algo)
@@ -200,7 +200,7 @@ def test_algo_rejects_unsupported_op_then_still_works(algos, topo):
 
 # ---- through the engine ------------------------------------------------------------------------
 def engine_algorithm_name() -> str:
-    algo = basics._engine()._sets[0].algorithm
+    algo = current.engine()._sets[0].algorithm
     return getattr(algo, "name", "flat")
 
 

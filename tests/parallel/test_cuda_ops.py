@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import aiak_training.torch as hvd
-from aiak_training.common import basics
+from aiak_training.runtime import current
 from helpers import (FLOAT_TYPES, INT_TYPES, cast_like, my_reducescatter_block, rank_data,
                      reference_reduce)
 
@@ -62,7 +62,7 @@ def test_transport_is_the_expected_one():
     if not expected:
         pytest.skip("the driver did not name a transport")
     hvd.allreduce(gpu(torch.ones(1)), name="cuda.transport_probe")
-    ctx = basics._engine().executor._gpu_executor._sets[0]
+    ctx = current.engine().executor._gpu_executor._sets[0]
     assert ctx.transport == expected.split("+")[0], ctx.reason
     assert ctx.hier == expected.endswith("+hier"), ctx.reason
 

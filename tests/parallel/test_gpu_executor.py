@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import aiak_training.torch as hvd
-from aiak_training.common import basics
-from aiak_training.common.engine import TensorEntry
-from aiak_training.common.gpu import executor as gpu_executor
+from aiak_training.runtime import current
+from aiak_training.runtime.entries import TensorEntry
+from aiak_training.runtime import gpu_executor
 from aiak_training.common.gpu import kernels, nccl
 from aiak_training.common.messages import OpType, Request
 from aiak_training.torch.mpi_ops import _DTYPES
@@ -51,13 +51,13 @@ def _batched_copy(dsts, srcs, sizes, stream):
 
 
 def context():
-    return basics._engine().executor._gpu_executor._sets[0]
+    return current.engine().executor._gpu_executor._sets[0]
 
 
 def run(op_type, tensors, outputs=None, name=None, **fields):
     """Submit host tensors as if they were on cuda:0; return (outputs, results).  Names come
     from a counter that every rank advances alike, unless ``name`` is given."""
-    engine = basics._engine()
+    engine = current.engine()
     outputs = list(outputs) if outputs is not None else [None] * len(tensors)
     allocated = [None] * len(tensors)
     requests, entries = [], []

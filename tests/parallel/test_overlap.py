@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import aiak_training.torch as hvd
-from aiak_training.common import basics
+from aiak_training.runtime import current
 from aiak_training.fused_optim import FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
 from aiak_training.torch import overlap as ov
 
@@ -66,7 +66,7 @@ class Splitter:
 
     def __init__(self, monkeypatch):
         self.active = False
-        engine = basics._engine()
+        engine = current.engine()
         real = engine.wait_any
 
         def wait_any(handles, timeout=None):
@@ -299,7 +299,7 @@ def test_check_catches_an_update_before_its_reduction(monkeypatch):
     model = Net()
     opt = hvd.DistributedOptimizer(Recorder(model.parameters()),
                                    named_parameters=model.named_parameters(), overlap_update=True)
-    engine = basics._engine()
+    engine = current.engine()
     monkeypatch.setattr(engine, "wait_any", lambda handles, timeout=None: list(handles))
     deferred = []
     real_finish = opt._finish_reduction
@@ -536,7 +536,7 @@ def test_zero_grad_before_step_still_raises():
 # ---- the engine API overlap relies on ----------------------------------------------------------
 def test_engine_wait_any():
     needs_ranks()
-    engine = basics._engine()
+    engine = current.engine()
     assert engine.wait_any([]) == []
     rank = hvd.rank()
     a = torch.full((3,), float(rank))

@@ -1,17 +1,14 @@
-"""The GPU data path: CUDA tensors through NCCL, or staged through pinned host memory and MPI.
+"""Bindings for the GPU data path: the CUDA runtime, NCCL and our own kernel library.
 
 Framework-agnostic, like the rest of ``common/``: everything here works on raw device
 addresses and raw ``cudaStream_t`` / ``cudaEvent_t`` handles, through ``ctypes`` bindings of
-the CUDA runtime (:mod:`.cudart`) and of NCCL (:mod:`.nccl`) as shipped in the
-``nvidia-*-cu12`` wheels that CUDA builds of PyTorch already depend on.  Nothing links
-against a framework, so one install works with every framework version.
+libraries that CUDA builds of PyTorch already ship (the ``nvidia-*-cu12`` wheels).  Nothing
+links against a framework, so one install works with every framework version.
 
-* :mod:`.cudart`: the few runtime calls we need (streams, events, copies, memory).
+* :mod:`.cudart`: the runtime calls we need (streams, events, copies, memory).
 * :mod:`.nccl`: communicators and collectives.
-* :mod:`.transport`: how a GPU collective moves data: ``NcclTransport`` (NCCL on the
-  device) or ``StagedTransport`` (pinned host staging + the CPU engine's MPI algorithms).
-* :mod:`.executor`: runs the negotiated GPU responses of one process set (fusion on the
-  device, stream ordering, completion events).
-* :mod:`.hier`: hierarchical allreduce on NCCL (reduce-scatter in the node, allreduce
-  across nodes, allgather in the node), pipelined over chunks like ``aiak-hier``.
+* :mod:`.kernels`: the batched-copy kernel built from ``csrc/cuda``.
+
+The executor that runs GPU collectives on these is :mod:`aiak_training.runtime.gpu_executor`;
+the hierarchical NCCL allreduce is :mod:`aiak_training.allreduce.hier_nccl`.
 """

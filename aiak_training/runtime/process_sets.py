@@ -1,15 +1,22 @@
-"""Process sets: subsets of ranks with their own communicator and negotiation."""
+"""Process sets: groups of ranks that run collectives among themselves.
+
+A :class:`ProcessSet` is a description until the runtime registers it (through
+``init(process_sets=[...])`` or ``add_process_set``); then it has an id, and collectives
+given ``process_set=`` involve only its ranks, with their own communicator and negotiation.
+"""
 from typing import List, Optional, Sequence, Union
 
 from mpi4py import MPI
 
+from aiak_training.common import horovod_strings as hs
+from aiak_training.runtime import current
+
 
 class ProcessSet:
-    """Representation of a set of Horovod processes that will run collective operations together.
+    """A set of ranks, given as a list of global ranks or as an mpi4py communicator.
 
-    Initialize a ProcessSet with a list of process ranks or an MPI communicator. Then pass this
-    instance to hvd.init() or hvd.add_process_set(). If a valid process set has been
-    initialized, process_set_id will be set to a numeric value.
+    ``process_set_id`` is None until the set is registered.  Collectives still name root
+    ranks by their global rank (``hvd.rank()``), not by the rank within the set.
     """
 
     process_set_id: Optional[int] = None
@@ -30,8 +37,9 @@ class ProcessSet:
             self.ranks = sorted(ranks)
             self.mpi_comm = None
 
-    def _resolve_ranks(self, world: MPI.Comm) -> List[int]:
-        """Ranks in ``world`` of a communicator-defined set (a local, non-collective call)."""
+    def resolve_ranks(self, world: MPI.Comm) -> List[int]:
+        """The set's ranks in ``world``; a set given as a communicator learns them here (a
+        local call, not a collective)."""
         if self.ranks is None:
             group, world_group = self.mpi_comm.Get_group(), world.Get_group()
             self.ranks = sorted(MPI.Group.Translate_ranks(group, list(range(group.Get_size())),
@@ -40,44 +48,35 @@ class ProcessSet:
             world_group.Free()
         return self.ranks
 
-    def _engine_info(self):
-        """(ranks, size, rank in set) from the engine; raises Horovod's errors."""
-        from aiak_training.common import basics
-        if not basics.is_initialized():
-            raise ValueError(basics.NOT_INITIALIZED_MESSAGE)
+    def _engine_view(self):
+        """(ranks, size, rank in the set) as the running engine knows the set."""
+        running = current.engine()
         try:
-            return basics._engine().process_set_info(self.process_set_id)
-        except ValueError:
-            raise ValueError("Process set does not exist or has not been registered.") from None
+            return running.process_set_info(self.process_set_id)
+        except ValueError as exc:
+            raise ValueError(hs.UNKNOWN_PROCESS_SET) from exc
 
     def size(self) -> Optional[int]:
-        """Return size of the process set or None if not initialized."""
+        """How many ranks the set has; None before it is registered."""
         if self.process_set_id is None:
             return None
-        return self._engine_info()[1]
+        return self._engine_view()[1]
 
     def rank(self) -> Optional[int]:
-        """Return rank relative to this process set or None if not initialized.
-
-        This is useful, e.g., to process the result of hvd.allgather().
-
-        Please note that, even with process sets, Horovod operations like hvd.broadcast() are
-        not parameterized by this relative rank, but by the global rank as obtained from
-        hvd.rank().
-        """
+        """This process's index within the set (the order of ``hvd.allgather`` results); None
+        before the set is registered; ``ValueError`` on a process outside the set."""
         if self.process_set_id is None:
             return None
-        rank = self._engine_info()[2]
+        rank = self._engine_view()[2]
         if rank is None:
-            raise ValueError("Process is not part of provided process set.")
+            raise ValueError(hs.NOT_IN_PROCESS_SET)
         return rank
 
     def included(self) -> Optional[bool]:
-        """Return whether the current process is part of this process set or None if not initialized."""
+        """Whether this process belongs to the set; None while its ranks are unknown."""
         if self.ranks is None:
             return None
-        from aiak_training.common import basics
-        return basics.rank() in self.ranks
+        return current.topology().rank in self.ranks
 
     def __str__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, " \

@@ -1,4 +1,4 @@
-"""aiak-hier: pipelined hierarchical allreduce with a shared-memory intra-node stage.
+"""hier_pipelined: pipelined hierarchical allreduce with a shared-memory intra-node stage.
 
 Design (the C++ side is csrc/native/hier.cpp, class ``HierNode``):
 
@@ -31,9 +31,10 @@ from typing import Iterator, Optional, Tuple
 
 from mpi4py import MPI
 
-from aiak_training.allreduce._util import env_bytes, env_float, mpi_buf
+from aiak_training.allreduce._util import mpi_buf
 from aiak_training.allreduce.flat import flat_allreduce
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp, mpi_op
+from aiak_training.common.env import env_bytes, env_float, env_int
 from aiak_training.common.topology import Topology
 
 try:
@@ -67,7 +68,7 @@ def shared_memory_usable(topology: Topology) -> bool:
     """Whether every node communicator can share memory.  Collective over ``topology.comm``.
 
     A host identity (``HOROVOD_HOSTNAME``) could group ranks of different machines into one
-    "node"; then no shared window is possible and aiak-hier must not be used.
+    "node"; then no shared window is possible and hier_pipelined must not be used.
     """
     probe = topology.local_comm.Split_type(MPI.COMM_TYPE_SHARED, key=topology.local_rank)
     ok = probe.Get_size() == topology.local_size
@@ -101,7 +102,7 @@ def allocate_window(topology: Topology, nbytes: int) -> MPI.Win:
         + (f" ({error})" if error else " on some node"))
 
 
-class AiakHierAllreduce:
+class PipelinedHierAllreduce:
     """Callable ``(comms, addr, count, dtype, op)`` bound to one topology; reduces in place.
 
     Construction is collective over ``topology.comm`` (the window is allocated on every node
@@ -109,7 +110,7 @@ class AiakHierAllreduce:
     Arguments left as None come from the environment (``AIAK_HIER_*``, see README.md).
     """
 
-    name = "aiak-hier"
+    name = "hier_pipelined"
 
     def __init__(self, topology: Topology, chunk_bytes: Optional[int] = None,
                  slots: Optional[int] = None, min_bytes: Optional[int] = None,
@@ -118,7 +119,7 @@ class AiakHierAllreduce:
         if chunk_bytes is None:
             chunk_bytes = env_bytes("AIAK_HIER_CHUNK_BYTES", DEFAULT_CHUNK_BYTES, minimum=64)
         if slots is None:
-            slots = int(env_float("AIAK_HIER_SLOTS", DEFAULT_SLOTS, minimum=2))
+            slots = env_int("AIAK_HIER_SLOTS", DEFAULT_SLOTS, minimum=2)
         if min_bytes is None:
             min_bytes = env_bytes("AIAK_HIER_MIN_BYTES", DEFAULT_MIN_BYTES)
         if timeout_s is None:
@@ -143,7 +144,7 @@ class AiakHierAllreduce:
             return
         node = self._node
         if node is None:
-            raise RuntimeError("aiak-hier allreduce used after close()")
+            raise RuntimeError("hier_pipelined allreduce used after close()")
         if count * ITEMSIZE[dtype] < self.min_bytes:
             flat_allreduce(comms, addr, count, dtype, op)
             return

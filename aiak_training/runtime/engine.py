@@ -7,107 +7,30 @@ process set in id order, then executes the ready responses in the agreed order.
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from itertools import count as _counter
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from mpi4py import MPI
 
 from aiak_training.allreduce import select_algorithm
+from aiak_training.common import horovod_strings as hs
 from aiak_training.common.config import Config
-from aiak_training.common.controller import Controller
-from aiak_training.common.dtypes import ITEMSIZE, DataType, free_user_ops
+from aiak_training.common.dtypes import free_user_ops
 from aiak_training.common.exceptions import HorovodInternalError
 from aiak_training.common.messages import OpType, Request, Response
 from aiak_training.common.timeline import Timeline
 from aiak_training.common.topology import Topology, build_topology
+from aiak_training.runtime.completion import Completer
+from aiak_training.runtime.controller import Controller
+from aiak_training.runtime.entries import Handle, HandleTable, SetState, TensorEntry
+from aiak_training.runtime.executor import Executor
 
 log = logging.getLogger("aiak_training")
 
-SHUT_DOWN_MESSAGE = (
-    "Horovod has been shut down. This was caused by an exception on one of the ranks or an "
-    "attempt to allreduce, allgather or broadcast a tensor after one of the ranks finished "
-    "execution. If the shutdown was caused by an exception, you should see the exception in "
-    "the log before the first shutdown message.")
 
-DUPLICATE_NAME_MESSAGE = (
-    "Requested to {op} a tensor with the same name as another tensor that is currently being "
-    "processed.  If you want to request another tensor, use a different tensor name. "
-    "(tensor name: {name})")
-
-
-class Handle:
-    """Completion state of one submitted tensor.  Waiters sleep on the engine's condition,
-    which is notified once per cycle rather than once per tensor."""
-    __slots__ = ("done", "error", "result", "done_at", "event")
-
-    def __init__(self) -> None:
-        self.done = False
-        self.error: Optional[str] = None
-        self.result = None
-        self.done_at: Optional[float] = None  # time.monotonic() at completion (statistics)
-        # GPU ops complete when their work is enqueued: a cudaEvent recorded after it, which
-        # the consumer's stream must wait on (see aiak_training.common.gpu).
-        self.event: int = 0
-
-
-class TensorEntry:
-    """One tensor of one rank, as raw memory.
-
-    ``allocate(shape) -> addr`` is called on the engine thread for ops whose output shape is
-    only known after negotiation (allgather, alltoall, reducescatter).
-
-    GPU tensors (``device >= 0``) carry device addresses, the raw ``cudaStream_t`` of the
-    producer and a ``cudaEvent_t`` recorded on it at submission (``ready_event``), which the
-    engine's stream waits on before it touches the tensor.
-
-    A plain slotted class, with ``count`` and ``nbytes`` computed once: one is built per tensor
-    per step, and the engine reads its sizes several times.
-    """
-    __slots__ = ("name", "dtype", "shape", "in_addr", "out_addr", "allocate", "handle",
-                 "signature", "keep", "device", "stream", "ready_event", "count", "nbytes")
-
-    def __init__(self, name: str, dtype: DataType, shape: Tuple[int, ...], in_addr: int,
-                 out_addr: int = 0, allocate: Optional[Callable[[Tuple[int, ...]], int]] = None,
-                 handle: int = -1, signature: Optional[tuple] = None, keep: object = None,
-                 device: int = -1, stream: int = 0, ready_event: int = 0):
-        self.name = name
-        self.dtype = dtype
-        self.shape = shape
-        self.in_addr = in_addr
-        self.out_addr = out_addr
-        self.allocate = allocate
-        self.handle = handle
-        self.signature = signature
-        self.keep = keep  # references that must outlive the operation
-        self.device = device
-        self.stream = stream
-        self.ready_event = ready_event
-        count = 1
-        for d in shape:
-            count *= d
-        self.count = count
-        self.nbytes = count * ITEMSIZE[dtype]
-
-
-@dataclass
-class ProcessSetState:
-    id: int
-    ranks: List[int]
-    comm: MPI.Comm
-    topology: Topology
-    controller: Controller
-    algorithm: Callable
-    queue: List[Request] = field(default_factory=list)
-    entries: Dict[str, TensorEntry] = field(default_factory=dict)
-
-    @property
-    def size(self) -> int:
-        return self.comm.Get_size()
-
-    @property
-    def rank(self) -> int:
-        return self.comm.Get_rank()
+def _gpu_executor(cpu: Executor):
+    # Imported on the first GPU response only: CPU-only jobs never load the CUDA bindings.
+    from aiak_training.runtime.gpu_executor import GpuExecutor
+    return GpuExecutor(cpu)
 
 
 class Engine:
@@ -120,10 +43,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._ready = threading.Event()
-        self._completed = threading.Condition(threading.Lock())
-        self._handles: Dict[int, Handle] = {}
-        self._handle_ids = _counter(1)
-        self._sets: Dict[int, ProcessSetState] = {}
+        self._sets: Dict[int, SetState] = {}
         self._next_set_id = 1
         self._foreign_sets: Dict[int, List[int]] = {}  # sets this rank is not in
         self._shutdown_requested = False
@@ -133,9 +53,12 @@ class Engine:
         self.topology: Optional[Topology] = None
         # CUDA device for the zeros a joined rank contributes to GPU collectives (hvd.join).
         self.join_device: int = -1
-        from aiak_training.common.operations import Executor
-        self.executor = Executor(self)
         self._thread = threading.Thread(target=self._run, name="aiak-engine", daemon=True)
+        self.handles = HandleTable(alive=self._thread.is_alive,
+                                   failure=lambda: self._fatal or hs.SHUT_DOWN)
+        self._completer = Completer(self.handles, self.timeline)
+        self.executor = Executor(config, self._completer, self._run_control,
+                                 lambda: self.join_device, _gpu_executor)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self, timeout: Optional[float] = None) -> None:
@@ -161,7 +84,7 @@ class Engine:
     def _register_set(self, set_id: int, ranks: List[int], comm: MPI.Comm) -> None:
         cfg = self.config
         topo = build_topology(comm)
-        state = ProcessSetState(
+        state = SetState(
             id=set_id, ranks=ranks, comm=comm, topology=topo,
             controller=Controller(comm, cfg.cache_capacity,
                                   0.0 if cfg.stall_check_disable else cfg.stall_check_time_s,
@@ -184,6 +107,19 @@ class Engine:
             with self._lock:
                 self._foreign_sets[set_id] = ranks
         return set_id
+
+    def _remove_set(self, set_id: int) -> bool:
+        with self._lock:
+            if set_id in self._foreign_sets:
+                del self._foreign_sets[set_id]
+                return True
+            state = self._sets.pop(set_id, None)
+        if state is None:
+            return False
+        self._completer.fail(state, list(state.entries), f"Process set {set_id} was removed.")
+        self.executor.forget_set(set_id)
+        state.topology.free()
+        return True
 
     def process_set_info(self, set_id: int) -> Tuple[List[int], Optional[int], Optional[int]]:
         """(ranks, size, rank-in-set) of a registered set; size/rank None if not a member."""
@@ -215,30 +151,27 @@ class Engine:
         with self._lock:
             return sorted(set(self._sets) | set(self._foreign_sets))
 
-    # ---- submission --------------------------------------------------------------------
+    # ---- submission and completion -------------------------------------------------------
     def enqueue(self, set_id: int, requests: List[Request], entries: List[TensorEntry]) -> List[int]:
         """Submit requests atomically (a grouped op lands in one cycle).  Returns handles."""
         with self._lock:
             if self._fatal is not None:
                 raise HorovodInternalError(self._fatal)
             if self._stopped or self._shutdown_requested:
-                raise HorovodInternalError(SHUT_DOWN_MESSAGE)
+                raise HorovodInternalError(hs.SHUT_DOWN)
             state = self._sets.get(set_id)
             if state is None:
                 raise ValueError(f"Process set {set_id} is not registered on this rank "
                                  "(it was removed, or this rank is not a member).")
             seen = set()
-            for req, entry in zip(requests, entries):
+            for entry in entries:
                 name = entry.name
                 if name in state.entries or name in seen:
-                    raise ValueError(DUPLICATE_NAME_MESSAGE.format(
-                        op=OpType(req.op_type).name.lower(), name=name))
+                    raise ValueError(f"{hs.DUPLICATE_NAME} (tensor name: {name})")
                 seen.add(name)
             handles = []
             for req, entry in zip(requests, entries):
-                hid = next(self._handle_ids)
-                self._handles[hid] = Handle()
-                entry.handle = hid
+                entry.handle = hid = self.handles.create()
                 entry.signature = req.signature()
                 state.entries[entry.name] = entry
                 handles.append(hid)
@@ -249,80 +182,36 @@ class Engine:
         return handles
 
     def poll(self, handle: int) -> bool:
-        h = self._handles.get(handle)
-        if h is None:
-            raise ValueError(f"Handle {handle} was not created or has been cleared.")
-        return h.done
-
-    def handle_event(self, handle: int) -> int:
-        """The completion cudaEvent_t of a done GPU handle (0 for host ops or in flight)."""
-        h = self._handles.get(handle)
-        return h.event if h is not None and h.done else 0
+        return self.handles.poll(handle)
 
     def wait(self, handle: int) -> Handle:
         """Block until the handle completes, then forget it.  Raises on failure."""
-        h = self._handles.get(handle)
-        if h is None:
-            raise ValueError(f"Handle {handle} was not created or has been cleared.")
-        if not h.done:
-            with self._completed:
-                while not h.done:
-                    self._completed.wait(0.5)
-                    if not h.done and not self._thread.is_alive():
-                        raise HorovodInternalError(self._fatal or SHUT_DOWN_MESSAGE)
-        self._handles.pop(handle, None)  # atomic; enqueue only adds other handles
-        if h.error is not None:
-            raise HorovodInternalError(h.error)
-        return h
-
-    def complete(self, entry: TensorEntry, error: Optional[str] = None, result=None,
-                 event: int = 0) -> None:
-        h = self._handles.get(entry.handle)
-        if h is None:
-            return
-        h.error, h.result, h.event = error, result, event
-        h.done_at = time.monotonic()
-        h.done = True
+        return self.handles.wait(handle)
 
     def wait_any(self, handles: Sequence[int], timeout: Optional[float] = None) -> List[int]:
-        """Block until at least one of ``handles`` completes; return all of them that have,
-        in the order given.  Unlike :meth:`wait`, the handles stay registered: ``wait`` still
-        returns their results (without blocking) and clears them.  Returns ``[]`` when
-        ``handles`` is empty or ``timeout`` seconds pass first.  Raises if the engine died."""
-        hs = []
-        for hid in handles:
-            h = self._handles.get(hid)
-            if h is None:
-                raise ValueError(f"Handle {hid} was not created or has been cleared.")
-            hs.append((hid, h))
-        if not hs:
-            return []
-        deadline = None if timeout is None else time.monotonic() + timeout
-        # complete() marks a handle done before _notify_completions() takes this lock, and we
-        # test the flags while holding it, so a completion cannot slip in unnoticed.
-        with self._completed:
-            while True:
-                done = [hid for hid, h in hs if h.done]
-                if done:
-                    return done
-                if not self._thread.is_alive():
-                    raise HorovodInternalError(self._fatal or SHUT_DOWN_MESSAGE)
-                wait_s = 0.5
-                if deadline is not None:
-                    wait_s = min(wait_s, deadline - time.monotonic())
-                    if wait_s <= 0:
-                        return []
-                self._completed.wait(wait_s)
+        """Block until at least one of ``handles`` completes; return all that have, in the
+        order given.  They stay registered: :meth:`wait` then returns their results without
+        blocking.  ``[]`` when ``handles`` is empty or ``timeout`` passes first."""
+        return self.handles.wait_any(handles, timeout)
+
+    def handle_event(self, handle: int) -> int:
+        """The completion cudaEvent_t of a done GPU handle (0 for host ops or in flight)."""
+        return self.handles.event(handle)
 
     def completion_time(self, handle: int) -> Optional[float]:
         """``time.monotonic()`` when a still-registered handle completed; None while it is
-        in flight or once it has been cleared by :meth:`wait`."""
-        h = self._handles.get(handle)
-        return None if h is None else h.done_at
+        in flight or once :meth:`wait` has cleared it."""
+        return self.handles.completion_time(handle)
 
-    def _notify_completions(self) -> None:
-        with self._completed:
-            self._completed.notify_all()
+    def run_control(self, set_id: int, op_type: OpType, name: str, payload=None):
+        """Submit one control request (join, barrier, process-set changes) and wait for its
+        result."""
+        rank = self.rank_in_set(set_id)
+        if rank is None:
+            raise ValueError(hs.NOT_IN_PROCESS_SET)
+        req = Request(rank, name, op_type, payload=payload)
+        (handle,) = self.enqueue(set_id, [req], [TensorEntry(name, 0, (), 0)])
+        return self.wait(handle).result
 
     # ---- background thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -341,7 +230,7 @@ class Engine:
             self._ready.set()
             return
         self._ready.set()
-        reason = SHUT_DOWN_MESSAGE
+        reason = hs.SHUT_DOWN
         try:
             cycle_s = self.config.cycle_time_ms / 1000.0
             while True:
@@ -350,7 +239,7 @@ class Engine:
                 stop, why = self._cycle()
                 if stop:
                     if why:
-                        reason = f"{SHUT_DOWN_MESSAGE} ({why})"
+                        reason = f"{hs.SHUT_DOWN} ({why})"
                     break
                 remaining = cycle_s - (time.monotonic() - started)
                 if remaining > 0:
@@ -377,32 +266,12 @@ class Engine:
                 try:
                     self.executor.execute(state, result.responses)
                 finally:
-                    self._notify_completions()
+                    self._completer.notify()
         return False, ""
 
-    def _stop(self, reason: str) -> None:
-        with self._lock:
-            self._stopped = True
-            states = list(self._sets.values())
-        for state in states:
-            for entry in list(state.entries.values()):
-                self.complete(entry, error=reason)
-            state.entries.clear()
-        self._notify_completions()
-        self.timeline.stop()
-        # NCCL communicators are aborted (not destroyed) unless every rank agreed to stop:
-        # a vanished peer would make a clean destroy wait forever.
-        self.executor.close(clean=self._fatal is None and reason == SHUT_DOWN_MESSAGE)
-        # Free communicators only on a clean shutdown: after a failure a peer may be gone.
-        if self._fatal is None:
-            for state in reversed(states):
-                state.topology.free()
-        free_user_ops()
-
-    # ---- used by the executor ------------------------------------------------------------
-    def handle_control(self, state: ProcessSetState, resp: Response) -> None:
-        name = resp.names[0]
-        entry = state.entries.pop(name, None)
+    def _run_control(self, state: SetState, resp: Response) -> None:
+        """Carry out a negotiated control response, on the engine thread, in response
+        order (process-set changes are collectives over the global set)."""
         result = None
         if resp.op_type == OpType.JOIN:
             state.controller.mark_unjoined()
@@ -411,19 +280,21 @@ class Engine:
             result = self._create_set(list(resp.payload))
         elif resp.op_type == OpType.REMOVE_PROCESS_SET:
             result = self._remove_set(resp.payload[0])
-        if entry is not None:
-            self.complete(entry, result=result)
+        self._completer.finish(state, [resp], result=result)
 
-    def _remove_set(self, set_id: int) -> bool:
+    def _stop(self, reason: str) -> None:
         with self._lock:
-            if set_id in self._foreign_sets:
-                del self._foreign_sets[set_id]
-                return True
-            state = self._sets.pop(set_id, None)
-        if state is None:
-            return False
-        for entry in list(state.entries.values()):
-            self.complete(entry, error=f"Process set {set_id} was removed.")
-        self.executor.forget_set(set_id)
-        state.topology.free()
-        return True
+            self._stopped = True
+            states = list(self._sets.values())
+        for state in states:
+            self._completer.fail(state, list(state.entries), reason)
+        self._completer.notify()
+        self.timeline.stop()
+        # NCCL communicators are aborted (not destroyed) unless every rank agreed to stop:
+        # a vanished peer would make a clean destroy wait forever.
+        self.executor.close(clean=self._fatal is None and reason == hs.SHUT_DOWN)
+        # Free communicators only on a clean shutdown: after a failure a peer may be gone.
+        if self._fatal is None:
+            for state in reversed(states):
+                state.topology.free()
+        free_user_ops()

@@ -1,6 +1,6 @@
 """Executing negotiated responses whose tensors live in GPU memory.
 
-Runs on the engine thread, called by :class:`aiak_training.common.operations.Executor` for
+Runs on the engine thread, called by :class:`aiak_training.runtime.executor.Executor` for
 responses with ``gpu=True``.  Everything is enqueued on one engine stream per device, which
 first waits for each tensor's ``ready_event`` (recorded on the producer's stream when the
 tensor was submitted).  A response completes as soon as its work is enqueued: each entry's
@@ -17,7 +17,7 @@ Transports, agreed by all ranks of a process set on its first GPU response:
   :func:`nccl.plan_reduction`); what NCCL cannot express (int16, Min/Max/Product with
   scale factors, fractional factors on integers) takes the MPI path for that response.
   With the hierarchical algorithm on a homogeneous multi-node cluster, allreduce uses
-  :mod:`aiak_training.allreduce.nccl_hier`.
+  :mod:`aiak_training.allreduce.hier_nccl`.
 * **mpi**: staged through pinned host buffers and the CPU engine's own code (including its
   allreduce algorithm).  Used when asked for (``AIAK_GPU_TRANSPORT=mpi`` or
   ``HOROVOD_GPU_OPERATIONS=MPI``), when NCCL is not installed, or when ranks share a GPU,
@@ -26,18 +26,17 @@ Transports, agreed by all ranks of a process set on its first GPU response:
 import logging
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
+from aiak_training.allreduce.hier_nccl import (Reduction, hier_chunk_bytes, hier_overlap,
+                                               nccl_hier_allreduce)
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp
 from aiak_training.common.gpu import kernels, nccl
 from aiak_training.common.gpu.cudart import runtime
 from aiak_training.common.messages import OpType, Response
-from aiak_training.common.operations import (allgather_layout, alltoall_layout,
-                                             average_postscale, reducescatter_layout)
-
-if TYPE_CHECKING:
-    from aiak_training.common.engine import ProcessSetState, TensorEntry
-    from aiak_training.common.operations import Executor
+from aiak_training.runtime.entries import SetState, TensorEntry
+from aiak_training.runtime.layouts import (allgather_layout, alltoall_layout, average_postscale,
+                                           reducescatter_layout)
 
 log = logging.getLogger("aiak_training")
 
@@ -88,7 +87,7 @@ class _StagedEntry:
     """A host stand-in for a GPU entry, for the CPU executor's MPI code."""
     __slots__ = ("name", "dtype", "shape", "in_addr", "out_addr", "allocate", "count", "nbytes")
 
-    def __init__(self, e: "TensorEntry", in_addr: int, out_addr: int, allocate):
+    def __init__(self, e: TensorEntry, in_addr: int, out_addr: int, allocate):
         self.name, self.dtype, self.shape = e.name, e.dtype, e.shape
         self.count, self.nbytes = e.count, e.nbytes
         self.in_addr, self.out_addr, self.allocate = in_addr, out_addr, allocate
@@ -135,10 +134,11 @@ FUSION_ALIGN = 16  # bytes between tensors in the device fusion buffer
 
 
 class GpuExecutor:
-    def __init__(self, cpu: "Executor"):
+    def __init__(self, cpu):
+        """``cpu`` is the engine's CPU executor: its MPI code serves the staged path."""
         self.cpu = cpu
-        self.engine = cpu.engine
-        self.config = cpu.engine.config
+        self.completer = cpu.completer
+        self.config = cpu.config
         self.rt = runtime()
         self._streams: Dict[Tuple[int, int], int] = {}
         self._sets: Dict[int, _SetContext] = {}
@@ -169,7 +169,7 @@ class GpuExecutor:
             self._fusion[device] = (addr, size)
         return addr
 
-    def _context(self, state: "ProcessSetState") -> _SetContext:
+    def _context(self, state: SetState) -> _SetContext:
         """The set's transport, agreed by all its ranks (collective on first use).  Raises
         if NCCL reported an asynchronous error (a peer failed): the engine then stops and
         aborts the communicators, which releases kernels waiting for that peer."""
@@ -189,7 +189,6 @@ class GpuExecutor:
                 lib = nccl.library()
             except nccl.NcclError as exc:
                 problem = str(exc)
-        from aiak_training.allreduce.nccl_hier import hier_chunk_bytes, hier_overlap
         where = (socket.gethostname(), self.rt.device_uuid(device))
         # Settings that decide how many NCCL calls a response makes must agree on every
         # rank, or the calls would not match: rank 0's values (the lowest NCCL version) win.
@@ -234,16 +233,16 @@ class GpuExecutor:
         """This rank's device: from its tensors, else the one hvd.join() named."""
         if self._device >= 0:
             return self._device
-        if self.engine.join_device >= 0:
-            return self.engine.join_device
+        join_device = self.cpu.join_device()
+        if join_device >= 0:
+            return join_device
         return self.rt.get_device()
 
     # ---- entries -----------------------------------------------------------------------
-    def _entries(self, state: "ProcessSetState", responses: List[Response],
-                 stream_for) -> List["TensorEntry"]:
+    def _entries(self, state: SetState, responses: List[Response],
+                 stream_for) -> List[TensorEntry]:
         """This rank's entries (device zeros where it joined), and the device in use.  The
         engine stream waits for each tensor's producer."""
-        from aiak_training.common.engine import TensorEntry
         found = [state.entries.get(r.names[0]) for r in responses]
         for e in found:
             if e is not None:
@@ -273,7 +272,7 @@ class GpuExecutor:
             entries.append(e)
         return entries
 
-    def _allocate(self, e: "TensorEntry", shape, stream: int) -> int:
+    def _allocate(self, e: TensorEntry, shape, stream: int) -> int:
         """The output of an allgather/alltoall/reducescatter, allocated by the frontend on the
         submitting stream; ours waits for what that stream did with the memory before."""
         addr = e.allocate(shape)
@@ -283,12 +282,12 @@ class GpuExecutor:
             self.rt.event_put(event)
         return addr
 
-    def _complete(self, state: "ProcessSetState", responses: List[Response], stream: int,
+    def _complete(self, state: SetState, responses: List[Response], stream: int,
                   result=None) -> None:
         events = {r.names[0]: self.rt.record(stream) for r in responses
                   if r.names[0] in state.entries}
         for r in responses:
-            self.cpu._finish(state, [r], result=result, events=events)
+            self.completer.finish(state, [r], result=result, events=events)
         if self._scratch:  # joined-rank zeros: rare; wait, then free
             self.rt.stream_synchronize(stream)
             for addr in self._scratch:
@@ -296,7 +295,7 @@ class GpuExecutor:
             self._scratch.clear()
 
     # ---- allreduce ---------------------------------------------------------------------
-    def allreduce(self, state: "ProcessSetState", group: List[Response]) -> None:
+    def allreduce(self, state: SetState, group: List[Response]) -> None:
         first = group[0]
         dtype, op = DataType(first.dtype), ReduceOp(first.reduce_op)
         entries = self._entries(state, group, self._stream)
@@ -311,9 +310,9 @@ class GpuExecutor:
                                    average_postscale(first, state.size), stream)
         else:  # the timeline shows the enqueueing; the device runs it later
             names = [e.name for e in entries]
-            self.cpu._activity(names, "NCCL_ALLREDUCE")
+            self.completer.activity(names, "NCCL_ALLREDUCE")
             self._nccl_allreduce(ctx, entries, dtype, plan, stream)
-            self.cpu._activity(names, None)
+            self.completer.activity(names, None)
         self._complete(state, group, stream)
 
     def _nccl_allreduce(self, ctx: _SetContext, entries, dtype: DataType, plan,
@@ -356,7 +355,6 @@ class GpuExecutor:
                        dtype: DataType, plan, stream: int) -> None:
         if not count:
             return
-        from aiak_training.allreduce.nccl_hier import Reduction, nccl_hier_allreduce
         op, factor = plan
         nccl_dtype = nccl.NCCL_DTYPE[dtype]
         # ncclAvg composes over the two levels only for floats (integer division truncates).
@@ -384,21 +382,20 @@ class GpuExecutor:
         self._stage_in.release_after(stream)
 
     # ---- allgather / broadcast / alltoall / reducescatter ------------------------------
-    def single(self, state: "ProcessSetState", resp: Response) -> None:
+    def single(self, state: SetState, resp: Response) -> None:
         (e,) = self._entries(state, [resp], self._stream)
         ctx = self._context(state)
         stream = self._stream(ctx.device)
         result = _UNSUPPORTED
         if ctx.transport == "nccl":
-            self.cpu._activity(resp, "NCCL_" + resp.op_type.name)
+            self.completer.activity(resp, "NCCL_" + resp.op_type.name)
             result = self._nccl_single(ctx, state, resp, e, stream)
-            self.cpu._activity(resp, None)
+            self.completer.activity(resp, None)
         if result is _UNSUPPORTED:  # the CPU code marks MPI_<OP> on the timeline
             result = self._staged_single(state, resp, e, stream)
         self._complete(state, [resp], stream, result=result)
 
     def _nccl_single(self, ctx, state, resp: Response, e, stream: int):
-        from aiak_training.allreduce.nccl_hier import Reduction
         dtype = DataType(resp.dtype)
         if not nccl.supports(dtype):
             return _UNSUPPORTED

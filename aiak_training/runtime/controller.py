@@ -21,9 +21,10 @@ from typing import Dict, List, Optional, Set, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from aiak_training.common import horovod_strings as hs
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.messages import CONTROL_OPS, OpType, Request, Response
-from aiak_training.common.response_cache import HIT, INVALID, ResponseCache
+from aiak_training.runtime.response_cache import HIT, INVALID, ResponseCache
 
 log = logging.getLogger("aiak_training")
 
@@ -74,8 +75,7 @@ class Controller:
         self.stall_shutdown_s = stall_shutdown_s
         if 0 < stall_shutdown_s < stall_check_s:
             # As Horovod: a shutdown time below the warning time is ignored, with a warning.
-            log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than "
-                        "HOROVOD_STALL_CHECK_TIME_SECONDS, will not shutdown.")
+            log.warning(hs.STALL_SHUTDOWN_BELOW_WARNING)
             self.stall_shutdown_s = 0.0
         self._cached_pending: Dict[int, Request] = {}   # bit -> request waiting on other ranks
         self._to_send: List[Request] = []               # requests for the coordinator
@@ -255,12 +255,7 @@ class Controller:
         if not missing:
             return
         lines = "\n".join(f"{r}: [{', '.join(names)}]" for r, names in sorted(missing.items()))
-        log.warning(
-            "One or more tensors were submitted to be reduced, gathered or broadcasted by "
-            "subset of ranks and are waiting for remainder of ranks for more than %d seconds. "
-            "This may indicate that different ranks are trying to submit different tensors or "
-            "that only subset of ranks is submitting tensors, which will cause deadlock.\n"
-            "Missing ranks:\n%s", int(self.stall_check_s), lines)
+        log.warning("%s\n%s", hs.STALL_WARNING.format(seconds=int(self.stall_check_s)), lines)
 
     def _construct(self, name: str, reqs: Dict[int, Request]) -> Response:
         ranks = sorted(reqs)

@@ -1,12 +1,12 @@
-"""Hierarchical allreduce of GPU buffers on NCCL: the device counterpart of ``aiak-hier``.
+"""Hierarchical allreduce of GPU buffers on NCCL: the device counterpart of ``hier_pipelined``.
 
-Per chunk (``aiak_hier.chunk_spans``, ``AIAK_HIER_GPU_CHUNK_BYTES``, default 16 MiB), with
+Per chunk (``hier_pipelined.chunk_spans``, ``AIAK_HIER_GPU_CHUNK_BYTES``, default 16 MiB), with
 ``L`` ranks per node:
 
 1. reduce-scatter inside the node (NCCL, local communicator): local rank ``j`` ends up with
    slice ``j`` of the chunk reduced over the node;
 2. allreduce of that slice across nodes (NCCL, cross communicator, which links the ranks
-   with the same local rank): one network flow per GPU, as in ``aiak-hier``;
+   with the same local rank): one network flow per GPU, as in ``hier_pipelined``;
 3. allgather inside the node: every rank gets every finished slice back.
 
 Stages 1 and 3 run on the engine's stream, stage 2 on a second stream, so the network
@@ -15,11 +15,10 @@ Every rank enqueues in the same order, which NCCL needs across communicators.  A
 ``n % L`` trailing elements are reduced by one allreduce on the global communicator.  Needs a
 homogeneous cluster (the caller checks).
 """
-import os
 from typing import Optional
 
-from aiak_training.allreduce._util import env_bytes
-from aiak_training.allreduce.aiak_hier import chunk_spans
+from aiak_training.common.env import env_bool, env_bytes
+from aiak_training.allreduce.hier_pipelined import chunk_spans
 from aiak_training.common.gpu import nccl
 from aiak_training.common.gpu.cudart import Runtime
 
@@ -57,7 +56,7 @@ def hier_overlap() -> bool:
     """``AIAK_HIER_GPU_OVERLAP=0`` runs all stages on one stream: no overlap between
     communicators, for GPUs too busy to keep several NCCL kernels resident at once (NCCL
     warns that concurrent communicators can then deadlock)."""
-    return os.environ.get("AIAK_HIER_GPU_OVERLAP", "1").strip() not in ("0", "false", "no")
+    return env_bool("AIAK_HIER_GPU_OVERLAP", True)
 
 
 def nccl_hier_allreduce(rt: Runtime, comms: dict, addr: int, count: int, itemsize: int,

@@ -1,6 +1,6 @@
-"""horovod-hier: Horovod's hierarchical allreduce, re-implemented on our MPI transport.
+"""hier_staged: Horovod's hierarchical allreduce, re-implemented on our MPI transport.
 
-This is the baseline that aiak-hier is measured against.  It follows
+This is the baseline that hier_pipelined is measured against.  It follows
 ``NCCLHierarchicalAllreduce::Execute`` (horovod/common/ops/nccl_operations.cc, see
 /work/shared/reference/hier_allreduce.md section 1.2) step by step, with MPI collectives on the
 node communicator in place of the NCCL ones:
@@ -31,11 +31,11 @@ from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp, mpi_op
 from aiak_training.common.topology import Topology
 
 
-class HorovodHierAllreduce:
+class StagedHierAllreduce:
     """Callable ``(comms, addr, count, dtype, op)``; reduces in place.  Stateless apart from
     the staging buffer, which only grows."""
 
-    name = "horovod-hier"
+    name = "hier_staged"
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology

@@ -1,0 +1,161 @@
+"""The package's import structure: layers import only downwards, and nothing imports in a
+circle.
+
+Every ``import`` statement counts, including those inside functions and under
+``TYPE_CHECKING``: a lazy import is still a dependency.  Modules are read with ``ast``, so
+optional frameworks need not be installed.
+"""
+import ast
+import os
+import re
+from typing import Dict, List, Set
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "aiak_training")
+# The Horovod shim is a separate top-level package (``horovod``) put on the path on request.
+SKIP_DIRS = {"__pycache__", "horovod_shim"}
+
+# What each package may import from the others (its own modules are always allowed).
+ALLOWED: Dict[str, Set[str]] = {
+    "common": set(),
+    "allreduce": {"common"},
+    "runtime": {"common", "allreduce"},
+    "fused_optim": {"common"},
+    "torch": {"common", "runtime", "fused_optim"},
+    "dgc": {"common", "runtime", "torch"},
+}
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, os.path.dirname(ROOT))[:-3].replace(os.sep, ".")
+    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _extensions() -> Set[str]:
+    """Compiled extension modules named in setup.py: leaves of the graph (they import
+    nothing of ours), not aliases of the package that holds them."""
+    with open(os.path.join(os.path.dirname(ROOT), "setup.py")) as fh:
+        return set(re.findall(r'_extension\("(aiak_training[\w.]*)"', fh.read()))
+
+
+def _modules() -> Dict[str, str]:
+    found = {name: "" for name in _extensions()}
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+        for f in filenames:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                found[_module_name(path)] = path
+    return found
+
+
+def _imports(name: str, path: str, known: Set[str]) -> Set[str]:
+    """Project modules that ``name`` imports (a ``from pkg import mod`` names the module)."""
+    if not path:  # a compiled extension
+        return set()
+    with open(path) as fh:
+        tree = ast.parse(fh.read(), path)
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[:len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            # A module's own parent packages are imported before it runs in any case, so
+            # naming one (``from . import sibling``) adds no dependency.
+            if target.startswith("aiak_training") and not (name + ".").startswith(target + "."):
+                out.add(target)
+    return out
+
+
+def _graph() -> Dict[str, Set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {name: _imports(name, path, known) for name, path in modules.items()}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """One cycle per strongly connected component with more than one member (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_graph_reader_sees_lazy_and_relative_imports(tmp_path):
+    # The reader must not miss the imports this test exists to catch.
+    pkg = tmp_path / "aiak_training" / "x"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from . import b\n    import aiak_training.x.c\n")
+    known = {"aiak_training.x", "aiak_training.x.a", "aiak_training.x.b", "aiak_training.x.c"}
+    assert "aiak_training._native" in _extensions()
+    assert _imports("aiak_training.x.a", str(pkg / "a.py"), known) == {
+        "aiak_training.x.b", "aiak_training.x.c"}
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_packages_import_only_their_layer(package):
+    graph = _graph()
+    wrong = sorted(f"{m} -> {t}" for m, targets in graph.items() if _package(m) == package
+                   for t in targets
+                   if _package(t) not in ALLOWED[package] | {package, ""})
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles_between_packages():
+    graph = _graph()
+    packages: Dict[str, Set[str]] = {}
+    for m, targets in graph.items():
+        packages.setdefault(_package(m), set()).update(
+            _package(t) for t in targets if _package(t) != _package(m))
+    assert _cycles(packages) == []
+
+
+def test_no_import_cycles_between_modules():
+    assert _cycles(_graph()) == []
