@@ -30,6 +30,19 @@ def test_half_conversions_match_torch_rounding(dtype):
     assert torch.equal(ours, ref)
 
 
+def test_half_conversions_of_nan_match_torch():
+    # float16 keeps the sign and top payload bits (F16C's rule, which torch follows); bfloat16
+    # NaN is 0x7FC0, as c10::BFloat16's scalar conversion gives.
+    nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FA00000, 0x7FFFFFFF],
+                    dtype=np.uint32).view(np.float32)
+    refs = torch.from_numpy(nans).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    for x, ref in zip(nans, refs):
+        # Our widening is exact, so numpy's narrowing of it gives back our half's bits.
+        ours = np.float32(native.half_roundtrip(float(x))).astype(np.float16).view(np.uint16)
+        assert ours == ref, (hex(int(x.view(np.uint32))), hex(int(ours)), hex(int(ref)))
+        assert np.float32(native.bf16_roundtrip(float(x))).view(np.uint32) == 0x7FC00000
+
+
 @pytest.mark.parametrize("dtype", list(HALF))
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT])
 def test_half_reduce_kernel(dtype, op):

@@ -11,8 +11,8 @@
 
 #include <cstring>
 
+#include "common/half.h"
 #include "fused_optim/fused_optim.h"
-#include "fused_optim/lowp.h"
 
 namespace aiak_fo {
 namespace {

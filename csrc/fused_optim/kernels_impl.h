@@ -15,9 +15,9 @@
 
 template <class O, int PT>
 inline typename O::V ld_param(const void* base, int64_t i) {
-  if constexpr (PT == kF32 || PT == kF64) {
+  if constexpr (PT == FLOAT32 || PT == FLOAT64) {
     return O::load(static_cast<const typename O::T*>(base) + i);
-  } else if constexpr (PT == kBF16) {
+  } else if constexpr (PT == BFLOAT16) {
     return O::load_bf16(static_cast<const uint16_t*>(base) + i);
   } else {
     return O::load_f16(static_cast<const uint16_t*>(base) + i);
@@ -26,9 +26,9 @@ inline typename O::V ld_param(const void* base, int64_t i) {
 
 template <class O, int PT>
 inline void st_param(void* base, int64_t i, typename O::V x) {
-  if constexpr (PT == kF32 || PT == kF64) {
+  if constexpr (PT == FLOAT32 || PT == FLOAT64) {
     O::store(static_cast<typename O::T*>(base) + i, x);
-  } else if constexpr (PT == kBF16) {
+  } else if constexpr (PT == BFLOAT16) {
     O::store_bf16(static_cast<uint16_t*>(base) + i, x);
   } else {
     O::store_f16(static_cast<uint16_t*>(base) + i, x);
@@ -41,7 +41,7 @@ constexpr int64_t kAhead = 512;
 
 template <int PT>
 inline void prefetch_param(const void* base, int64_t i) {
-  constexpr int64_t size = (PT == kF32) ? 4 : (PT == kF64) ? 8 : 2;
+  constexpr int64_t size = (PT == FLOAT32) ? 4 : (PT == FLOAT64) ? 8 : 2;
   __builtin_prefetch(static_cast<const char*>(base) + (i + kAhead) * size, 1);
 }
 
@@ -313,27 +313,27 @@ double sumsq_range(const void* x, int64_t b, int64_t e) {
 
 // Fills the float entries (fp32, fp16, bf16) of a table from VO/SO.
 inline void fill_float_entries(KernelTable& t) {
-  t.adam[kF32] = &adam_range<VO, SO, kF32>;
-  t.adam[kF16] = &adam_range<VO, SO, kF16>;
-  t.adam[kBF16] = &adam_range<VO, SO, kBF16>;
-  t.sgd[kF32] = &sgd_range<VO, SO, kF32>;
-  t.sgd[kF16] = &sgd_range<VO, SO, kF16>;
-  t.sgd[kBF16] = &sgd_range<VO, SO, kBF16>;
-  t.lamb1[kF32] = &lamb1_range<VO, SO, kF32>;
-  t.lamb1[kF16] = &lamb1_range<VO, SO, kF16>;
-  t.lamb1[kBF16] = &lamb1_range<VO, SO, kBF16>;
-  t.lamb2[kF32] = &lamb2_range<VO, SO, kF32>;
-  t.lamb2[kF16] = &lamb2_range<VO, SO, kF16>;
-  t.lamb2[kBF16] = &lamb2_range<VO, SO, kBF16>;
-  t.sumsq[kF32] = &sumsq_range<VO, SO, kF32>;
-  t.sumsq[kF16] = &sumsq_range<VO, SO, kF16>;
-  t.sumsq[kBF16] = &sumsq_range<VO, SO, kBF16>;
+  t.adam[FLOAT32] = &adam_range<VO, SO, FLOAT32>;
+  t.adam[FLOAT16] = &adam_range<VO, SO, FLOAT16>;
+  t.adam[BFLOAT16] = &adam_range<VO, SO, BFLOAT16>;
+  t.sgd[FLOAT32] = &sgd_range<VO, SO, FLOAT32>;
+  t.sgd[FLOAT16] = &sgd_range<VO, SO, FLOAT16>;
+  t.sgd[BFLOAT16] = &sgd_range<VO, SO, BFLOAT16>;
+  t.lamb1[FLOAT32] = &lamb1_range<VO, SO, FLOAT32>;
+  t.lamb1[FLOAT16] = &lamb1_range<VO, SO, FLOAT16>;
+  t.lamb1[BFLOAT16] = &lamb1_range<VO, SO, BFLOAT16>;
+  t.lamb2[FLOAT32] = &lamb2_range<VO, SO, FLOAT32>;
+  t.lamb2[FLOAT16] = &lamb2_range<VO, SO, FLOAT16>;
+  t.lamb2[BFLOAT16] = &lamb2_range<VO, SO, BFLOAT16>;
+  t.sumsq[FLOAT32] = &sumsq_range<VO, SO, FLOAT32>;
+  t.sumsq[FLOAT16] = &sumsq_range<VO, SO, FLOAT16>;
+  t.sumsq[BFLOAT16] = &sumsq_range<VO, SO, BFLOAT16>;
 #ifdef AIAK_WITH_F64
-  t.adam[kF64] = &adam_range<DO, DO, kF64>;
-  t.sgd[kF64] = &sgd_range<DO, DO, kF64>;
-  t.lamb1[kF64] = &lamb1_range<DO, DO, kF64>;
-  t.lamb2[kF64] = &lamb2_range<DO, DO, kF64>;
-  t.sumsq[kF64] = &sumsq_range<DO, DO, kF64>;
+  t.adam[FLOAT64] = &adam_range<DO, DO, FLOAT64>;
+  t.sgd[FLOAT64] = &sgd_range<DO, DO, FLOAT64>;
+  t.lamb1[FLOAT64] = &lamb1_range<DO, DO, FLOAT64>;
+  t.lamb2[FLOAT64] = &lamb2_range<DO, DO, FLOAT64>;
+  t.sumsq[FLOAT64] = &sumsq_range<DO, DO, FLOAT64>;
 #endif
 }
 

@@ -3,8 +3,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/half.h"
 #include "fused_optim/fused_optim.h"
-#include "fused_optim/lowp.h"
 
 namespace aiak_fo {
 namespace {
@@ -26,10 +26,10 @@ struct SO {
   static V fma(V a, V b, V c) { return std::fma(a, b, c); }
   static V neg(V a) { return -a; }
   static float reduce_add(V a) { return a; }
-  static V load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
-  static void store_bf16(uint16_t* p, V v) { *p = f32_to_bf16(v); }
-  static V load_f16(const uint16_t* p) { return f16_to_f32(*p); }
-  static void store_f16(uint16_t* p, V v) { *p = f32_to_f16(v); }
+  static V load_bf16(const uint16_t* p) { return aiak::bf16_to_float(*p); }
+  static void store_bf16(uint16_t* p, V v) { *p = aiak::float_to_bf16(v); }
+  static V load_f16(const uint16_t* p) { return aiak::half_to_float(*p); }
+  static void store_f16(uint16_t* p, V v) { *p = aiak::float_to_half(v); }
 };
 
 struct DO {

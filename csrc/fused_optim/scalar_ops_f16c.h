@@ -19,8 +19,8 @@ struct SO {
   static V fma(V a, V b, V c) { return __builtin_fmaf(a, b, c); }
   static V neg(V a) { return -a; }
   static float reduce_add(V a) { return a; }
-  static V load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
-  static void store_bf16(uint16_t* p, V v) { *p = f32_to_bf16(v); }
+  static V load_bf16(const uint16_t* p) { return aiak::bf16_to_float(*p); }
+  static void store_bf16(uint16_t* p, V v) { *p = aiak::float_to_bf16(v); }
   static V load_f16(const uint16_t* p) { return _cvtsh_ss(*p); }
   static void store_f16(uint16_t* p, V v) { *p = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
 };

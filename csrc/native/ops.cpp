@@ -12,7 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "native/dtypes.h"
+#include "common/dtypes.h"
+#include "common/half.h"
 #include "native/hier.h"
 
 namespace py = pybind11;
