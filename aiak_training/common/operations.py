@@ -17,9 +17,6 @@ from aiak_training.common.messages import CONTROL_OPS, OpType, Response
 if TYPE_CHECKING:
     from aiak_training.common.engine import Engine, ProcessSetState, TensorEntry
 
-_SCALED_UNPACK = (DataType.FLOAT32, DataType.FLOAT64)
-
-
 def _buf(addr: int, count: int, dtype: DataType) -> list:
     return [MPI.buffer.fromaddress(addr, count * ITEMSIZE[dtype]), count, mpi_datatype(dtype)]
 
@@ -70,7 +67,9 @@ def reducescatter_layout(resp: Response, me: int, size: int):
 
 
 def average_postscale(resp: Response, size: int) -> float:
-    """The factor applied after the reduction: postscale, with Average's 1/size folded in."""
+    """The factor applied after the reduction: postscale, with Average's 1/size folded in
+    (divided in float64 as Horovod does; native.scale then rounds it to float32 for float32
+    and the half types, so results match Horovod's bit for bit)."""
     return resp.postscale / size if resp.reduce_op == ReduceOp.AVERAGE else resp.postscale
 
 
@@ -265,10 +264,9 @@ class Executor:
         self._activity(names, None)
         self._activity(names, "MEMCPY_OUT_FUSION_BUFFER")
         outs = [e.out_addr for e in entries]
-        if post != 1.0 and dtype in _SCALED_UNPACK:
+        if post != 1.0:
             native.copy_scaled_batch(outs, offsets, [e.count for e in entries], int(dtype), post)
         else:
-            native.scale(base, total // itemsize, int(dtype), post)
             native.copy_batch(outs, offsets, [e.nbytes for e in entries])
         self._activity(names, None)
 
