@@ -5,8 +5,16 @@
 //   VO  vector float ops (W lanes),   SO  scalar float ops (W == 1),
 //   DO  scalar double ops (only when AIAK_WITH_F64 is defined, in the scalar TU).
 // Each ops struct provides: T (math type), V (register type), W, load/store (T*), set1, add, sub,
-// mul, div, sqrt, max, fma(a, b, c) = a*b + c with one rounding, neg, reduce_add, and for float
-// ops load_bf16/store_bf16/load_f16/store_f16 (round to nearest even).
+// mul, div, sqrt, max, fma(a, b, c) = a*b + c with one rounding, neg, for float ops
+// load_bf16/store_bf16/load_f16/store_f16 (round to nearest even), and a sum of squares in
+// double: S (accumulator type), sq_zero(), add_sq(S, V) and sq_total(S).
+//
+// Sums of squares (LAMB's norms, the global gradient norm) accumulate in double.  In float, a
+// 32K-element chunk summed in 1 (scalar), 8 (AVX2) or 16 (AVX-512) lanes carried a relative
+// error of up to ~1e-5 that depended on the ISA; LAMB divides the gradient by the clip norm
+// and, in L2 mode, adds wd * p, so where the two nearly cancel that error grew to percents of
+// the moment and ~1e-5 of the parameter.  A float squared is exact in double, and the double
+// sums agree across ISAs to ~1e-16, far below a float's resolution.
 //
 // Every element is loaded once and stored once.  The order of operations mirrors the ATen
 // kernels behind torch.optim's for-loop path so results agree to the last bit in most
@@ -230,7 +238,7 @@ struct LambK {
 };
 
 template <class O, int PT>
-inline void lamb1_elem(const LambK<O>& k, int64_t i, typename O::V& acc_p, typename O::V& acc_u) {
+inline void lamb1_elem(const LambK<O>& k, int64_t i, typename O::S& acc_p, typename O::S& acc_u) {
   using V = typename O::V;
   V g = ld_param<O, PT>(k.g, i);
   if (k.unscale) st_param<O, PT>(k.g, i, O::mul(g, k.inv_scale));
@@ -242,16 +250,16 @@ inline void lamb1_elem(const LambK<O>& k, int64_t i, typename O::V& acc_p, typen
   O::store(k.m + i, m);
   O::store(k.v + i, v);
   const V u = k.update(m, v, p);
-  acc_p = O::fma(p, p, acc_p);
-  acc_u = O::fma(u, u, acc_u);
+  acc_p = O::add_sq(acc_p, p);
+  acc_u = O::add_sq(acc_u, u);
 }
 
 template <class VOps, class SOps, int PT>
 void lamb1_range(const LambArgs& a, const LambPtrs& t, int64_t b, int64_t e, double* p_sq,
                  double* u_sq) {
   const LambK<VOps> kv(a, t);
-  typename VOps::V vp = VOps::set1(0), vu = VOps::set1(0);
-  typename SOps::V sp = SOps::set1(0), su = SOps::set1(0);
+  typename VOps::S vp = VOps::sq_zero(), vu = VOps::sq_zero();
+  typename SOps::S sp = SOps::sq_zero(), su = SOps::sq_zero();
   int64_t i = b;
   for (; i + VOps::W <= e; i += VOps::W) {
     prefetch_param<PT>(kv.g, i);
@@ -265,8 +273,8 @@ void lamb1_range(const LambArgs& a, const LambPtrs& t, int64_t b, int64_t e, dou
     const LambK<SOps> ks(a, t);
     for (; i < e; ++i) lamb1_elem<SOps, PT>(ks, i, sp, su);
   }
-  *p_sq = double(VOps::reduce_add(vp)) + double(SOps::reduce_add(sp));
-  *u_sq = double(VOps::reduce_add(vu)) + double(SOps::reduce_add(su));
+  *p_sq = VOps::sq_total(vp) + SOps::sq_total(sp);
+  *u_sq = VOps::sq_total(vu) + SOps::sq_total(su);
 }
 
 template <class O, int PT>
@@ -297,18 +305,12 @@ void lamb2_range(const LambArgs& a, const LambPtrs& t, int64_t b, int64_t e) {
 // ------------------------------------------------------------------------------ sum of squares
 template <class VOps, class SOps, int PT>
 double sumsq_range(const void* x, int64_t b, int64_t e) {
-  typename VOps::V acc = VOps::set1(0);
-  typename SOps::V sacc = SOps::set1(0);
+  typename VOps::S acc = VOps::sq_zero();
+  typename SOps::S sacc = SOps::sq_zero();
   int64_t i = b;
-  for (; i + VOps::W <= e; i += VOps::W) {
-    typename VOps::V v = ld_param<VOps, PT>(x, i);
-    acc = VOps::fma(v, v, acc);
-  }
-  for (; i < e; ++i) {
-    typename SOps::V v = ld_param<SOps, PT>(x, i);
-    sacc = SOps::fma(v, v, sacc);
-  }
-  return double(VOps::reduce_add(acc)) + double(SOps::reduce_add(sacc));
+  for (; i + VOps::W <= e; i += VOps::W) acc = VOps::add_sq(acc, ld_param<VOps, PT>(x, i));
+  for (; i < e; ++i) sacc = SOps::add_sq(sacc, ld_param<SOps, PT>(x, i));
+  return VOps::sq_total(acc) + SOps::sq_total(sacc);
 }
 
 // Fills the float entries (fp32, fp16, bf16) of a table from VO/SO.

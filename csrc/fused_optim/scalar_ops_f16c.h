@@ -18,7 +18,10 @@ struct SO {
   static V max(V a, V b) { return a > b ? a : b; }
   static V fma(V a, V b, V c) { return __builtin_fmaf(a, b, c); }
   static V neg(V a) { return -a; }
-  static float reduce_add(V a) { return a; }
+  using S = double;
+  static S sq_zero() { return 0.0; }
+  static S add_sq(S s, V a) { return s + double(a) * double(a); }  // the square is exact
+  static double sq_total(S s) { return s; }
   static V load_bf16(const uint16_t* p) { return aiak::bf16_to_float(*p); }
   static void store_bf16(uint16_t* p, V v) { *p = aiak::float_to_bf16(v); }
   static V load_f16(const uint16_t* p) { return _cvtsh_ss(*p); }
