@@ -214,8 +214,12 @@ LAMB_CASES = [
 ]
 
 
+def lamb_case_id(case) -> str:
+    return ",".join(f"{k}={v}" for k, v in case.items()) or "default"
+
+
 @pytest.mark.parametrize("dtype,master", DTYPE_CASES[:4], ids=DTYPE_IDS[:4])
-@pytest.mark.parametrize("case", LAMB_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("case", LAMB_CASES, ids=lamb_case_id)
 def test_lamb_matches_reference(case, dtype, master):
     kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True,
               grad_averaging=True, adam_w_mode=True, use_nvlamb=False, max_grad_norm=1.0)
@@ -293,7 +297,7 @@ def lamb_reference_f32(params, grad_steps, *, lr, betas, eps, weight_decay, bias
     return [[torch.from_numpy(x) for x in xs] for xs in (ps, ms, vs)]
 
 
-@pytest.mark.parametrize("case", LAMB_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("case", LAMB_CASES, ids=lamb_case_id)
 def test_lamb_fp32_matches_its_specified_rounding(isa, case):
     """fp32 LAMB, bit for bit, on every SIMD path.  Norms used to be summed in float lanes,
     which left a relative error of ~1e-6 in the clip factor that differed per ISA; where

@@ -101,7 +101,7 @@ CUDA_SYMBOLS: Tuple[str, ...] = (
     "aiak_fused_sum_squares_cuda",
     "aiak_fused_cuda_plan_check",
 )
-CUDA_ABI_VERSION = 1
+CUDA_ABI_VERSION = 2  # 2: DataType codes for dtypes
 
 
 def cuda_library_path() -> str:

@@ -31,7 +31,8 @@
 extern "C" {
 #endif
 
-#define AIAK_FUSED_CUDA_ABI_VERSION 1
+// 2: dtype codes are the shared DataType codes (were 0-3).
+#define AIAK_FUSED_CUDA_ABI_VERSION 2
 #if defined(__GNUC__)
 #define AIAK_FUSED_API __attribute__((visibility("default")))
 #else
