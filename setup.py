@@ -121,7 +121,8 @@ def build_cuda_kernels(cmd) -> None:
         out_dir = os.path.join(os.path.abspath(cmd.build_lib), "aiak_training", "lib")
     os.makedirs(out_dir, exist_ok=True)
     target = os.path.join(out_dir, "libaiak_fused_cuda.so")
-    headers = glob.glob(os.path.join(HERE, "csrc", "cuda", "*.h"))
+    headers = glob.glob(os.path.join(HERE, "csrc", "cuda", "*.h")) + \
+        glob.glob(os.path.join(HERE, "csrc", "common", "*.h"))
     newest = max(os.path.getmtime(f) for f in sources + headers)
     if os.path.exists(target) and os.path.getmtime(target) >= newest and not getattr(cmd, "force", False):
         print(f"aiak-training: {os.path.relpath(target, HERE)} is up to date")
@@ -133,6 +134,7 @@ def build_cuda_kernels(cmd) -> None:
     gencode += ["-gencode", f"arch=compute_{archs[0]},code=compute_{archs[0]}"]  # PTX: JIT on newer GPUs
     cmdline = [nvcc, "-O3", "-std=c++17", "-shared", "-cudart", "static",
                "-Xcompiler", "-fPIC,-fvisibility=hidden", "-I", os.path.join(HERE, "csrc", "cuda"),
+               "-I", os.path.join(HERE, "csrc"),
                *gencode, *sources, "-o", target + ".tmp"]
     print("aiak-training: building CUDA kernels: " + " ".join(cmdline))
     try:

@@ -30,6 +30,19 @@ def test_half_conversions_match_torch_rounding(dtype):
     assert torch.equal(ours, ref)
 
 
+def test_half_conversions_of_nan_match_torch():
+    # float16 keeps the sign and top payload bits (F16C's rule, which torch follows); bfloat16
+    # NaN is 0x7FC0, as c10::BFloat16's scalar conversion gives.
+    nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF812345, 0x7FA00000, 0x7FFFFFFF],
+                    dtype=np.uint32).view(np.float32)
+    refs = torch.from_numpy(nans).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    for x, ref in zip(nans, refs):
+        # Our widening is exact, so numpy's narrowing of it gives back our half's bits.
+        ours = np.float32(native.half_roundtrip(float(x))).astype(np.float16).view(np.uint16)
+        assert ours == ref, (hex(int(x.view(np.uint32))), hex(int(ours)), hex(int(ref)))
+        assert np.float32(native.bf16_roundtrip(float(x))).view(np.uint32) == 0x7FC00000
+
+
 @pytest.mark.parametrize("dtype", list(HALF))
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT])
 def test_half_reduce_kernel(dtype, op):
@@ -44,25 +57,109 @@ def test_half_reduce_kernel(dtype, op):
     assert torch.equal(dst, ref.to(HALF[dtype]))
 
 
-@pytest.mark.parametrize("tdtype,dtype", [(torch.int32, DataType.INT32), (torch.int8, DataType.INT8),
-                                          (torch.int64, DataType.INT64), (torch.uint8, DataType.UINT8)])
-def test_integer_scaling_truncates_like_torch(tdtype, dtype):
-    x = torch.arange(-50 if tdtype != torch.uint8 else 0, 50, dtype=tdtype)
-    for f in (0.3, 1.5, 2.0 / 3.0):
-        y = x.clone()
-        native.scale(y.data_ptr(), y.numel(), int(dtype), f)
-        assert torch.equal(y, (x.to(torch.float64) * f).to(tdtype))
+# ---- scaling: Horovod 0.28.1's CPU arithmetic, against numpy -------------------------------
+NEAR_1_5 = 1.5 + 0.99 * 2.0 ** -24  # 1.5 in float32, not in float64
+FACTORS = [NEAR_1_5, 1.0 / 3.0, 0.1, -0.7, 2.0 / 3.0, 1e-3, 3.0]
+INT_NP = {DataType.UINT8: np.uint8, DataType.INT8: np.int8, DataType.UINT16: np.uint16,
+          DataType.INT16: np.int16, DataType.INT32: np.int32, DataType.INT64: np.int64}
+NP = {**INT_NP, DataType.FLOAT16: np.float16, DataType.BFLOAT16: np.uint16,
+      DataType.FLOAT32: np.float32, DataType.FLOAT64: np.float64}
 
 
-def test_float_scaling_rounds_once_from_double():
-    x = torch.randn(999, dtype=torch.float32)
-    y = x.clone()
-    native.scale(y.data_ptr(), y.numel(), int(DataType.FLOAT32), 1.0 / 3.0)
-    assert torch.equal(y, (x.double() * (1.0 / 3.0)).float())
-    out = torch.empty_like(x)
-    native.copy_scaled_batch([out.data_ptr()], [x.data_ptr()], [x.numel()],
-                             int(DataType.FLOAT32), 1.0 / 3.0)
-    assert torch.equal(out, y)
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """torch's float32 -> bfloat16 conversion (round to nearest even), as raw bits."""
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16) \
+        .view(torch.int16).numpy().view(np.uint16)
+
+
+def _scale_inputs(dtype: DataType, factor: float) -> np.ndarray:
+    """Every value of the small types (every non-NaN one of the halves), a random sample of
+    the others; integers only where the product stays in range."""
+    rng = np.random.default_rng(int(dtype))
+    if dtype in (DataType.FLOAT16, DataType.BFLOAT16):
+        bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+        f32 = bits.view(np.float16).astype(np.float32) if dtype == DataType.FLOAT16 \
+            else _bf16_to_f32(bits)
+        return bits[~np.isnan(f32)].view(NP[dtype])
+    if dtype == DataType.FLOAT32:
+        bits = rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)
+        x = bits.view(np.float32)
+        return x[~np.isnan(x)]
+    if dtype == DataType.FLOAT64:
+        return rng.standard_normal(50_000) * 10.0 ** rng.integers(-30, 30, 50_000)
+    info = np.iinfo(INT_NP[dtype])
+    if info.bits <= 16:
+        x = np.arange(info.min, info.max + 1, dtype=np.int64)
+    else:
+        x = np.concatenate([np.arange(-300, 300), rng.integers(info.min, info.max, 50_000)])
+    with np.errstate(over="ignore"):
+        wide = np.trunc(x.astype(np.float64) * factor)
+    return x[(wide >= info.min) & (wide <= info.max)].astype(INT_NP[dtype])
+
+
+def _scale_reference(x: np.ndarray, dtype: DataType, factor: float) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        if dtype in INT_NP:  # float64 product, truncated toward zero
+            return np.trunc(x.astype(np.float64) * factor).astype(x.dtype)
+        if dtype == DataType.FLOAT64:
+            return x * factor
+        f = np.float32(factor)  # float32 arithmetic with the factor rounded to float32
+        if dtype == DataType.FLOAT32:
+            return x * f
+        if dtype == DataType.FLOAT16:
+            return (x.astype(np.float32) * f).astype(np.float16)
+        return _f32_to_bf16(_bf16_to_f32(x) * f)
+
+
+@pytest.mark.parametrize("factor", FACTORS, ids=lambda f: f"{f:.4g}")
+@pytest.mark.parametrize("dtype", list(NP), ids=lambda d: d.name)
+def test_scale_matches_horovod_arithmetic(dtype, factor):
+    x = _scale_inputs(dtype, factor)
+    want = _scale_reference(x, dtype, factor)
+    y = x.copy()
+    native.scale(y.ctypes.data, y.size, int(dtype), factor)
+    differ = np.count_nonzero(y.view(np.uint8) != want.view(np.uint8))
+    assert differ == 0, f"scale: {differ} bytes of {y.nbytes} differ"
+    # The fused unpack: several buffers, out of place, same arithmetic.
+    cuts = sorted({0, min(1, x.size), min(17, x.size), x.size // 3, x.size})
+    outs = [np.empty(b - a, x.dtype) for a, b in zip(cuts, cuts[1:])]
+    native.copy_scaled_batch([o.ctypes.data for o in outs], [x[a:].ctypes.data for a in cuts[:-1]],
+                             [o.size for o in outs], int(dtype), factor)
+    differ = np.count_nonzero(np.concatenate(outs).view(np.uint8) != want.view(np.uint8))
+    assert differ == 0, f"copy_scaled_batch: {differ} bytes of {y.nbytes} differ"
+
+
+@pytest.mark.parametrize("dtype", [DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT32])
+def test_float32_scaling_differs_from_rounding_once_from_float64(dtype):
+    """Guard: the inputs above tell Horovod's float32 arithmetic from a float64 product
+    rounded once (what this library did before), so the test above can fail."""
+    x = _scale_inputs(dtype, NEAR_1_5)
+    ours = _scale_reference(x, dtype, NEAR_1_5)
+    with np.errstate(over="ignore"):
+        if dtype == DataType.FLOAT32:
+            once = (x.astype(np.float64) * NEAR_1_5).astype(np.float32)
+        elif dtype == DataType.FLOAT16:
+            once = (x.astype(np.float64) * NEAR_1_5).astype(np.float32).astype(np.float16)
+        else:
+            wide = _bf16_to_f32(x).astype(np.float64) * NEAR_1_5
+            once = _f32_to_bf16(wide.astype(np.float32))
+    assert np.count_nonzero(ours.view(np.uint8) != once.view(np.uint8)) > 100
+
+
+def test_scaling_nan_stays_nan_and_factor_one_is_identity():
+    for dtype, nan in [(DataType.FLOAT16, 0x7E00), (DataType.BFLOAT16, 0x7FC0)]:
+        y = np.array([nan, nan | 0x8000], dtype=np.uint16)
+        native.scale(y.ctypes.data, 2, int(dtype), 0.3)
+        f32 = y.view(np.float16).astype(np.float32) if dtype == DataType.FLOAT16 \
+            else _bf16_to_f32(y)
+        assert np.isnan(f32).all()
+    big = np.array([(1 << 62) + 1], dtype=np.int64)  # not a float64: a factor of 1 is skipped
+    native.scale(big.ctypes.data, 1, int(DataType.INT64), 1.0)
+    assert big[0] == (1 << 62) + 1
 
 
 def test_copy_batch_and_errors():

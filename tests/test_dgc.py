@@ -104,7 +104,7 @@ def test_sampled_path_is_used_and_cheap():
     # Candidates the refinement looked at: a few k, not n.
     out = torch.empty(k, dtype=torch.int32)  # kept alive across the call
     count, path, candidates = _kernels.ext.select_topk(
-        x.data_ptr(), x.numel(), 0, k, out.data_ptr(), 0.01, 1, False)
+        x.data_ptr(), x.numel(), _kernels.DTYPE_CODES[x.dtype], k, out.data_ptr(), 0.01, 1, False)
     assert count == k and 1 <= path <= 3 and k <= candidates <= 16 * k
 
 

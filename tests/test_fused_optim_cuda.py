@@ -43,11 +43,19 @@ def test_cuda_library_built_with_expected_symbols():
     assert fo.cuda_lib() is not None, fo.cuda_lib_error()
     # Bad arguments are rejected before anything touches a device.
     lib.aiak_fused_cuda_last_error.restype = ctypes.c_char_p
-    assert lib.aiak_fused_adam_cuda(1, None, None, None, None, None, None, None, None, 7,
-                                    ctypes.c_double(0), ctypes.c_double(0), ctypes.c_double(0),
-                                    ctypes.c_double(0), ctypes.c_double(0), 0, 0, 0,
-                                    None, None, None) != 0
-    assert b"dtype" in lib.aiak_fused_cuda_last_error() or b"numels" in lib.aiak_fused_cuda_last_error()
+    def adam(n, dtype):
+        zero = ctypes.c_double(0)
+        return lib.aiak_fused_adam_cuda(n, None, None, None, None, None, None, None, None, dtype,
+                                        zero, zero, zero, zero, zero, 0, 0, 0, None, None, None)
+    assert adam(1, B.DTYPE_CODES[torch.float32]) != 0
+    assert b"numels" in lib.aiak_fused_cuda_last_error()
+    # The shared DataType codes: the four float types are accepted (no tensors: nothing to
+    # do), every other code (uint8, int32, bool, ...) is refused.
+    for dtype in range(12):
+        rc = adam(0, dtype)
+        assert (rc == 0) == (dtype in B.DTYPE_CODES.values()), dtype
+        if rc:
+            assert b"dtype" in lib.aiak_fused_cuda_last_error()
     # The library must not link torch (one build for every torch version).
     assert_no_torch_link(path)
     # SASS for both target architectures is embedded.

@@ -1,12 +1,16 @@
 """Element types and reduce ops of the engine, and their MPI counterparts.
 
 Numbering follows Horovod's ``DataType`` / ``ReduceOp`` enums (extended with BOOL and
-BFLOAT16) and is shared with ``csrc/native/dtypes.h``.
+BFLOAT16) and is shared with ``csrc/common/dtypes.h``: every compiled extension (the engine's,
+the fused optimizers', DGC's) takes these codes.  Importing this module does not import
+``mpi4py.MPI`` (which initializes MPI): the fused optimizers use the codes without MPI.
 """
+import functools
 from enum import IntEnum
-from typing import Dict
+from typing import TYPE_CHECKING, Dict
 
-from mpi4py import MPI
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 class DataType(IntEnum):
@@ -41,27 +45,23 @@ ITEMSIZE: Dict[DataType, int] = {
 FLOATING = frozenset({DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT32, DataType.FLOAT64})
 HALF_TYPES = frozenset({DataType.FLOAT16, DataType.BFLOAT16})
 
-_MPI_TYPE = {
-    DataType.UINT8: MPI.UINT8_T, DataType.INT8: MPI.INT8_T, DataType.UINT16: MPI.UINT16_T,
-    DataType.INT16: MPI.INT16_T, DataType.INT32: MPI.INT32_T, DataType.INT64: MPI.INT64_T,
-    # Half types travel as 16-bit words and are reduced by our own kernels (user ops).
-    DataType.FLOAT16: MPI.UINT16_T, DataType.BFLOAT16: MPI.UINT16_T,
-    DataType.FLOAT32: MPI.FLOAT, DataType.FLOAT64: MPI.DOUBLE, DataType.BOOL: MPI.C_BOOL,
-}
-
-_MPI_OP = {ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
-           ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
-_BOOL_OP = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND,
-            ReduceOp.PRODUCT: MPI.LAND}
-
-_user_ops: Dict[tuple, MPI.Op] = {}
+_user_ops: Dict[tuple, "MPI.Op"] = {}
 
 
-def mpi_datatype(dtype: DataType) -> MPI.Datatype:
-    return _MPI_TYPE[dtype]
+@functools.lru_cache(maxsize=None)
+def mpi_datatype(dtype: DataType) -> "MPI.Datatype":
+    from mpi4py import MPI
+    return {
+        DataType.UINT8: MPI.UINT8_T, DataType.INT8: MPI.INT8_T, DataType.UINT16: MPI.UINT16_T,
+        DataType.INT16: MPI.INT16_T, DataType.INT32: MPI.INT32_T, DataType.INT64: MPI.INT64_T,
+        # Half types travel as 16-bit words and are reduced by our own kernels (user ops).
+        DataType.FLOAT16: MPI.UINT16_T, DataType.BFLOAT16: MPI.UINT16_T,
+        DataType.FLOAT32: MPI.FLOAT, DataType.FLOAT64: MPI.DOUBLE, DataType.BOOL: MPI.C_BOOL,
+    }[dtype]
 
 
-def _make_user_op(dtype: DataType, op: ReduceOp) -> MPI.Op:
+def _make_user_op(dtype: DataType, op: ReduceOp) -> "MPI.Op":
+    from mpi4py import MPI
     from aiak_training.common import native
 
     def reduce_fn(inbuf, inoutbuf, datatype):
@@ -71,21 +71,33 @@ def _make_user_op(dtype: DataType, op: ReduceOp) -> MPI.Op:
     return MPI.Op.Create(reduce_fn, commute=True)
 
 
-def mpi_op(dtype: DataType, op: ReduceOp) -> MPI.Op:
+@functools.lru_cache(maxsize=None)
+def _builtin_ops() -> tuple:
+    """(ops by ReduceOp, logical ops for bool by ReduceOp)."""
+    from mpi4py import MPI
+    return ({ReduceOp.AVERAGE: MPI.SUM, ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN,
+             ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD},
+            {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND,
+             ReduceOp.PRODUCT: MPI.LAND})
+
+
+def mpi_op(dtype: DataType, op: ReduceOp) -> "MPI.Op":
     """The MPI op that reduces ``dtype`` with ``op`` (Average reduces as Sum)."""
+    ops, bool_ops = _builtin_ops()
     if dtype == DataType.BOOL:
-        if op not in _BOOL_OP:
+        if op not in bool_ops:
             raise ValueError(f"Reduce op {op.name} is not supported for bool tensors.")
-        return _BOOL_OP[op]
+        return bool_ops[op]
     if dtype in HALF_TYPES:
         key = (dtype, ReduceOp.SUM if op == ReduceOp.AVERAGE else op)
         if key not in _user_ops:
             _user_ops[key] = _make_user_op(*key)
         return _user_ops[key]
-    return _MPI_OP[op]
+    return ops[op]
 
 
 def free_user_ops() -> None:
+    from mpi4py import MPI
     for op in _user_ops.values():
         try:
             op.Free()

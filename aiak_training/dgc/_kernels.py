@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from aiak_training.common.dtypes import DataType
 from aiak_training.common.once import warn_once  # noqa: F401  (re-exported)
 
 try:
@@ -25,8 +26,9 @@ except ImportError as _err:  # not built: torch fallbacks below
 else:
     IMPORT_ERROR = None
 
-# dtype codes shared with csrc/dgc/dgc.h
-DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2}
+# The dtype codes the kernels take: the shared DataType numbering (float16 only on the wire).
+DTYPE_CODES = {torch.float32: int(DataType.FLOAT32), torch.float64: int(DataType.FLOAT64),
+               torch.float16: int(DataType.FLOAT16)}
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float64)
 
 # path codes returned by select_topk (see csrc/dgc/module.cpp)

@@ -18,15 +18,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from aiak_training.common.dtypes import DataType
 from aiak_training.common.env import env_int
 from aiak_training.common.once import warn_once
 
-# dtype codes shared with csrc/fused_optim/fused_optim.h and csrc/cuda/aiak_fused_cuda.h
+# The dtype codes the kernels (CPU and CUDA) take: the shared DataType numbering.
 DTYPE_CODES: Dict[torch.dtype, int] = {
-    torch.float32: 0,
-    torch.float16: 1,
-    torch.bfloat16: 2,
-    torch.float64: 3,
+    torch.float32: int(DataType.FLOAT32),
+    torch.float16: int(DataType.FLOAT16),
+    torch.bfloat16: int(DataType.BFLOAT16),
+    torch.float64: int(DataType.FLOAT64),
 }
 SUPPORTED_DTYPES = tuple(DTYPE_CODES)
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -98,7 +99,7 @@ CUDA_SYMBOLS: Tuple[str, ...] = (
     "aiak_fused_sum_squares_cuda",
     "aiak_fused_cuda_plan_check",
 )
-CUDA_ABI_VERSION = 1
+CUDA_ABI_VERSION = 2  # 2: DataType codes for dtypes
 
 
 def cuda_library_path() -> str:

@@ -18,6 +18,8 @@ fp64 params):
 Differences from Apex: the step count is per parameter (torch's layout, so any subset of
 params can be stepped), the gradient is not overwritten with the update, bf16 and fp64 are
 supported, and the per-tensor norms are reduced in a fixed order (bit-identical on every rank).
+On CPU the sums of squares (the norms above) accumulate in float64: float accumulators left an
+ISA-dependent error that step 2's near-cancellations (g / clip + wd * p) amplified.
 """
 from __future__ import annotations
 

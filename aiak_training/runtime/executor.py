@@ -19,9 +19,6 @@ from aiak_training.runtime.entries import SetState, TensorEntry
 from aiak_training.runtime.layouts import (allgather_layout, alltoall_layout, average_postscale,
                                            prod, reducescatter_layout)
 
-_SCALED_UNPACK = (DataType.FLOAT32, DataType.FLOAT64)
-
-
 def _buf(addr: int, count: int, dtype: DataType) -> list:
     return [MPI.buffer.fromaddress(addr, count * ITEMSIZE[dtype]), count, mpi_datatype(dtype)]
 
@@ -192,10 +189,9 @@ class Executor:
         self.completer.activity(names, None)
         self.completer.activity(names, "MEMCPY_OUT_FUSION_BUFFER")
         outs = [e.out_addr for e in entries]
-        if post != 1.0 and dtype in _SCALED_UNPACK:
+        if post != 1.0:
             native.copy_scaled_batch(outs, offsets, [e.count for e in entries], int(dtype), post)
         else:
-            native.scale(base, total // itemsize, int(dtype), post)
             native.copy_batch(outs, offsets, [e.nbytes for e in entries])
         self.completer.activity(names, None)
 

@@ -13,9 +13,10 @@ Transports, agreed by all ranks of a process set on its first GPU response:
   fusion buffer (one batched-copy kernel launch, or ``cudaMemcpyAsync`` per tensor without
   the kernel library); tensors of at least
   ``AIAK_ZERO_COPY_BYTES`` are reduced straight from input to output.  Scale factors are
-  folded into the NCCL reduction (ncclAvg or a pre-multiplied sum, see
-  :func:`nccl.plan_reduction`); what NCCL cannot express (int16, Min/Max/Product with
-  scale factors, fractional factors on integers) takes the MPI path for that response.
+  folded into the NCCL reduction (ncclAvg or a pre-multiplied sum;
+  :func:`nccl.plan_reduction` lists where that rounds differently from Horovod); what NCCL
+  cannot express (int16, Min/Max/Product with scale factors, fractional factors on
+  integers) takes the MPI path for that response.
   With the hierarchical algorithm on a homogeneous multi-node cluster, allreduce uses
   :mod:`aiak_training.allreduce.hier_nccl`.
 * **mpi**: staged through pinned host buffers and the CPU engine's own code (including its

@@ -58,5 +58,7 @@ def reducescatter_layout(resp: Response, me: int, size: int):
 
 
 def average_postscale(resp: Response, size: int) -> float:
-    """The factor applied after the reduction: postscale, with Average's 1/size folded in."""
+    """The factor applied after the reduction: postscale, with Average's 1/size folded in
+    (divided in float64 as Horovod does; native.scale then rounds it to float32 for float32
+    and the half types, so results match Horovod's bit for bit)."""
     return resp.postscale / size if resp.reduce_op == ReduceOp.AVERAGE else resp.postscale

@@ -7,7 +7,8 @@
  *  - n tensors; numels[i] elements each; pointer arrays (host memory) of length n give the
  *    device address of tensor i in each list.  Tensors are walked as flat arrays, so each must
  *    be dense, and all lists of one tensor index must share one layout.
- *  - dtype is the parameter (and gradient) dtype: 0 float32, 1 float16, 2 bfloat16, 3 float64.
+ *  - dtype is the parameter (and gradient) dtype, a DataType code of csrc/common/dtypes.h:
+ *    7 float32, 6 float16, 10 bfloat16, 8 float64.
  *    Optimizer states and master params are float32 (float64 for float64 params).  All maths
  *    is done in float32 (float64 for float64 params).
  *  - steps[i] is a device float32 scalar per tensor: the kernels use steps[i] + 1 and then
@@ -30,7 +31,8 @@
 extern "C" {
 #endif
 
-#define AIAK_FUSED_CUDA_ABI_VERSION 1
+// 2: dtype codes are the shared DataType codes (were 0-3).
+#define AIAK_FUSED_CUDA_ABI_VERSION 2
 #if defined(__GNUC__)
 #define AIAK_FUSED_API __attribute__((visibility("default")))
 #else

@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "aiak_fused_cuda.h"
+#include "common/dtypes.h"
 
 namespace {
 
@@ -587,7 +588,10 @@ int advance_steps(int n, void* const* steps, const float* found_inf, cudaStream_
 int check_common(int n, const int64_t* numels, int dtype) {
   if (n < 0) return fail_msg("n must be >= 0");
   if (n > 0 && numels == nullptr) return fail_msg("numels is NULL");
-  if (dtype < 0 || dtype > 3) return fail_msg("unsupported dtype code (0 f32, 1 f16, 2 bf16, 3 f64)");
+  if (dtype != aiak::FLOAT32 && dtype != aiak::FLOAT16 && dtype != aiak::BFLOAT16 &&
+      dtype != aiak::FLOAT64) {
+    return fail_msg("unsupported dtype code (7 f32, 6 f16, 10 bf16, 8 f64)");
+  }
   return 0;
 }
 
@@ -660,9 +664,9 @@ int aiak_fused_adam_cuda(int n, const int64_t* numels, void* const* params, void
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   int rc = 0;
   switch (dtype) {
-    case 0: rc = launch_adam<float>(n, numels, l, a, s); break;
-    case 1: rc = launch_adam<__half>(n, numels, l, a, s); break;
-    case 2: rc = launch_adam<__nv_bfloat16>(n, numels, l, a, s); break;
+    case aiak::FLOAT32: rc = launch_adam<float>(n, numels, l, a, s); break;
+    case aiak::FLOAT16: rc = launch_adam<__half>(n, numels, l, a, s); break;
+    case aiak::BFLOAT16: rc = launch_adam<__nv_bfloat16>(n, numels, l, a, s); break;
     default: rc = launch_adam<double>(n, numels, l, a, s); break;
   }
   if (rc != 0) return rc;
@@ -688,9 +692,9 @@ int aiak_fused_sgd_cuda(int n, const int64_t* numels, void* const* params, void*
                   static_cast<const float*>(found_inf), nesterov, maximize};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
-    case 0: return launch_sgd<float>(n, numels, l, a, s);
-    case 1: return launch_sgd<__half>(n, numels, l, a, s);
-    case 2: return launch_sgd<__nv_bfloat16>(n, numels, l, a, s);
+    case aiak::FLOAT32: return launch_sgd<float>(n, numels, l, a, s);
+    case aiak::FLOAT16: return launch_sgd<__half>(n, numels, l, a, s);
+    case aiak::BFLOAT16: return launch_sgd<__nv_bfloat16>(n, numels, l, a, s);
     default: return launch_sgd<double>(n, numels, l, a, s);
   }
 }
@@ -732,9 +736,9 @@ int aiak_fused_lamb_cuda(int n, const int64_t* numels, void* const* params, void
   for (int stage = 0; stage < 2; ++stage) {
     int rc = 0;
     switch (dtype) {
-      case 0: rc = launch_lamb<float>(n, numels, l, a, stage, s); break;
-      case 1: rc = launch_lamb<__half>(n, numels, l, a, stage, s); break;
-      case 2: rc = launch_lamb<__nv_bfloat16>(n, numels, l, a, stage, s); break;
+      case aiak::FLOAT32: rc = launch_lamb<float>(n, numels, l, a, stage, s); break;
+      case aiak::FLOAT16: rc = launch_lamb<__half>(n, numels, l, a, stage, s); break;
+      case aiak::BFLOAT16: rc = launch_lamb<__nv_bfloat16>(n, numels, l, a, stage, s); break;
       default: rc = launch_lamb<double>(n, numels, l, a, stage, s); break;
     }
     if (rc != 0) return rc;
@@ -817,9 +821,9 @@ int aiak_fused_sum_squares_cuda(int n, const int64_t* numels, void* const* tenso
   double* partials = static_cast<double*>(workspace);
   int rc = 0;
   switch (dtype) {
-    case 0: rc = launch_sumsq<float>(n, numels, l, partials, s); break;
-    case 1: rc = launch_sumsq<__half>(n, numels, l, partials, s); break;
-    case 2: rc = launch_sumsq<__nv_bfloat16>(n, numels, l, partials, s); break;
+    case aiak::FLOAT32: rc = launch_sumsq<float>(n, numels, l, partials, s); break;
+    case aiak::FLOAT16: rc = launch_sumsq<__half>(n, numels, l, partials, s); break;
+    case aiak::BFLOAT16: rc = launch_sumsq<__nv_bfloat16>(n, numels, l, partials, s); break;
     default: rc = launch_sumsq<double>(n, numels, l, partials, s); break;
   }
   if (rc != 0) return rc;

@@ -1,17 +1,22 @@
 // Deep gradient compression (DGC) kernels for CPU: shared declarations.
 //
 // No framework headers: Python hands over raw data pointers (as ints), element counts and
-// dtype codes.  The threshold scan, the only pass over a whole gradient tensor, has one
+// DataType codes.  The threshold scan, the only pass over a whole gradient tensor, has one
 // implementation per ISA (scan_avx2.cpp, scan_avx512.cpp, and the portable one in
 // module.cpp); module.cpp picks one at run time with __builtin_cpu_supports.
 #pragma once
 
 #include <cstdint>
 
+#include "common/dtypes.h"
+
 namespace aiak_dgc {
 
-// dtype codes; they match aiak_training/dgc/_kernels.py.
-enum DType : int { kF32 = 0, kF64 = 1, kF16 = 2 };
+// dtype codes are the shared DataType codes (common/dtypes.h): float32 and float64 tensors,
+// and float16 values on the wire.
+using aiak::FLOAT16;
+using aiak::FLOAT32;
+using aiak::FLOAT64;
 
 // Scan for candidates: writes, in ascending order, the indices i in [0, n) with
 // |x[i]| >= t to `out`.  Requires t > 0 (so zeros and NaNs are never written).

@@ -1,7 +1,7 @@
 // aiak_training.dgc._dgc_cpu: threshold selection and sparse scatter-add for deep gradient
 // compression (Lin et al., ICLR 2018) on CPU tensors.
 //
-// Python passes raw data pointers (ints), element counts and dtype codes (dgc.h); no framework
+// Python passes raw data pointers (ints), element counts and DataType codes; no framework
 // headers are used, so the module works with any torch version.  The GIL is released while
 // the kernels run, so the engine's communication thread keeps going.
 //
@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "common/half.h"
 #include "dgc/dgc.h"
 
 namespace py = pybind11;
@@ -429,38 +430,12 @@ SelectResult compensate_select_impl(const CompensateArgs& a, int64_t n, int64_t 
   return {k, 1, c};
 }
 
-// -------------------------------------------------------------------------------- fp16 values
-float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu;
-  uint32_t man = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0x1Fu) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf / nan
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else if (man == 0) {
-    bits = sign;
-  } else {  // subnormal: normalise
-    exp = 113;
-    while ((man & 0x400u) == 0) {
-      man <<= 1;
-      --exp;
-    }
-    bits = sign | (exp << 23) | ((man & 0x3FFu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
+// ------------------------------------------------------------------------------- wire values
 int64_t wire_size(int code) {
-  switch (code) {
-    case kF32: return 4;
-    case kF64: return 8;
-    case kF16: return 2;
-    default: throw std::invalid_argument("unknown DGC dtype code " + std::to_string(code));
+  if (code != FLOAT32 && code != FLOAT64 && code != FLOAT16) {
+    throw std::invalid_argument("unknown DGC dtype code " + std::to_string(code));
   }
+  return aiak::itemsize(code);
 }
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
@@ -476,18 +451,18 @@ void add_values(Out* out, int64_t numel, const uint8_t* idx_bytes, const uint8_t
                                " out of range for a tensor of " + std::to_string(numel) +
                                " elements (ranks disagree on the compressed tensors?)");
     }
-    if (wire == kF32) {
+    if (wire == FLOAT32) {
       float v;
       std::memcpy(&v, val_bytes + 4 * j, 4);
       out[i] += Out(v) * scale;
-    } else if (wire == kF64) {
+    } else if (wire == FLOAT64) {
       double v;
       std::memcpy(&v, val_bytes + 8 * j, 8);
       out[i] += Out(v) * scale;
     } else {
       uint16_t h;
       std::memcpy(&h, val_bytes + 2 * j, 2);
-      out[i] += Out(half_to_float(h)) * scale;
+      out[i] += Out(aiak::half_to_float(h)) * scale;
     }
   }
 }
@@ -532,10 +507,10 @@ int64_t scatter_add_segments(uintptr_t buf_addr, int64_t nbytes, int64_t nranks,
     if (off > nbytes) throw std::runtime_error("DGC exchange: segment runs past the buffer");
     int64_t io = idx_off;
     for (size_t t = 0; t < T; ++t) {
-      if (out_codes[t] == kF32) {
+      if (out_codes[t] == FLOAT32) {
         add_values(reinterpret_cast<float*>(outs[t]), numels[t], buf + io, buf + val_off[t],
                    counts[t], wire_codes[t], float(scale));
-      } else if (out_codes[t] == kF64) {
+      } else if (out_codes[t] == FLOAT64) {
         add_values(reinterpret_cast<double*>(outs[t]), numels[t], buf + io, buf + val_off[t],
                    counts[t], wire_codes[t], scale);
       } else {
@@ -567,10 +542,10 @@ PYBIND11_MODULE(_dgc_cpu, m) {
         {
           (void)scan_f32();  // resolve the ISA with the GIL held
           py::gil_scoped_release nogil;
-          if (dtype == kF32) {
+          if (dtype == FLOAT32) {
             r = select_impl(reinterpret_cast<const float*>(x), n, k,
                             reinterpret_cast<int32_t*>(out), sample_ratio, seed, exact);
-          } else if (dtype == kF64) {
+          } else if (dtype == FLOAT64) {
             r = select_impl(reinterpret_cast<const double*>(x), n, k,
                             reinterpret_cast<int32_t*>(out), sample_ratio, seed, exact);
           } else {
@@ -602,12 +577,12 @@ PYBIND11_MODULE(_dgc_cpu, m) {
       [](uintptr_t g, uintptr_t w, uintptr_t u, uintptr_t v, int64_t n, int dtype,
          double momentum, double dampening, double weight_decay, bool nesterov, bool first) {
         py::gil_scoped_release nogil;
-        if (dtype == kF32) {
+        if (dtype == FLOAT32) {
           compensate_impl(reinterpret_cast<const float*>(g), reinterpret_cast<const float*>(w),
                           reinterpret_cast<float*>(u), reinterpret_cast<float*>(v), n,
                           float(momentum), float(1.0 - dampening), float(weight_decay),
                           nesterov, first);
-        } else if (dtype == kF64) {
+        } else if (dtype == FLOAT64) {
           compensate_impl(reinterpret_cast<const double*>(g), reinterpret_cast<const double*>(w),
                           reinterpret_cast<double*>(u), reinterpret_cast<double*>(v), n,
                           momentum, 1.0 - dampening, weight_decay, nesterov, first);
@@ -635,10 +610,10 @@ PYBIND11_MODULE(_dgc_cpu, m) {
         {
           (void)scan_f32();
           py::gil_scoped_release nogil;
-          if (dtype == kF32) {
+          if (dtype == FLOAT32) {
             r = compensate_select_impl<float>(a, n, k, reinterpret_cast<int32_t*>(out),
                                               sample_ratio, seed, exact);
-          } else if (dtype == kF64) {
+          } else if (dtype == FLOAT64) {
             r = compensate_select_impl<double>(a, n, k, reinterpret_cast<int32_t*>(out),
                                                sample_ratio, seed, exact);
           } else {

@@ -12,10 +12,17 @@
 
 #include <cstdint>
 
+#include "common/dtypes.h"
+
 namespace aiak_fo {
 
-// Parameter dtype codes; they match aiak_training/fused_optim/_backend.py.
-enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2, kF64 = 3, kNumDTypes = 4 };
+// Parameter dtypes are the shared DataType codes (common/dtypes.h); kernel tables are
+// indexed by them and hold entries for these four only.
+using aiak::BFLOAT16;
+using aiak::FLOAT16;
+using aiak::FLOAT32;
+using aiak::FLOAT64;
+using aiak::kNumDataTypes;
 
 // Per-call Adam/AdamW scalars.  Host code computes them in double, exactly as torch.optim
 // computes its Python-float scalars; the kernel casts them to its math type.
@@ -83,11 +90,11 @@ using SumSqFn = double (*)(const void* x, int64_t begin, int64_t end);
 
 struct KernelTable {
   const char* name;
-  AdamFn adam[kNumDTypes];
-  SgdFn sgd[kNumDTypes];
-  Lamb1Fn lamb1[kNumDTypes];
-  Lamb2Fn lamb2[kNumDTypes];
-  SumSqFn sumsq[kNumDTypes];
+  AdamFn adam[kNumDataTypes];
+  SgdFn sgd[kNumDataTypes];
+  Lamb1Fn lamb1[kNumDataTypes];
+  Lamb2Fn lamb2[kNumDataTypes];
+  SumSqFn sumsq[kNumDataTypes];
 };
 
 // Exported by the ISA translation units.  A null entry means "use the scalar table".

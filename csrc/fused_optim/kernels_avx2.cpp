@@ -7,8 +7,8 @@
 
 #include <cstring>
 
+#include "common/half.h"
 #include "fused_optim/fused_optim.h"
-#include "fused_optim/lowp.h"
 
 namespace aiak_fo {
 namespace {
@@ -30,11 +30,19 @@ struct VO {
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V neg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
-  static float reduce_add(V a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
+  struct S {
+    __m256d lo, hi;  // squares of lanes 0-3 and 4-7, in double
+  };
+  static S sq_zero() { return {_mm256_setzero_pd(), _mm256_setzero_pd()}; }
+  static S add_sq(S s, V a) {
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(a));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1));
+    return {_mm256_fmadd_pd(lo, lo, s.lo), _mm256_fmadd_pd(hi, hi, s.hi)};
+  }
+  static double sq_total(S s) {
+    alignas(32) double x[4];
+    _mm256_store_pd(x, _mm256_add_pd(s.lo, s.hi));
+    return (x[0] + x[1]) + (x[2] + x[3]);
   }
   static V load_bf16(const uint16_t* p) {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -11,8 +11,8 @@
 
 #include <cstring>
 
+#include "common/half.h"
 #include "fused_optim/fused_optim.h"
-#include "fused_optim/lowp.h"
 
 namespace aiak_fo {
 namespace {
@@ -36,12 +36,21 @@ struct VO {
   static V neg(V a) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(int(0x80000000u))));
   }
-  static float reduce_add(V a) {
-    // Fixed pairwise order (not _mm512_reduce_add_ps, whose order is compiler-defined).  Via
+  struct S {
+    __m512d lo, hi;  // squares of lanes 0-7 and 8-15, in double
+  };
+  static S sq_zero() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }
+  static S add_sq(S s, V a) {
+    const __m512d lo = _mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 0));
+    const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(a, 1));
+    return {_mm512_fmadd_pd(lo, lo, s.lo), _mm512_fmadd_pd(hi, hi, s.hi)};
+  }
+  static double sq_total(S s) {
+    // Fixed pairwise order (not _mm512_reduce_add_pd, whose order is compiler-defined).  Via
     // memory because GCC 12's 512->256 casts trip -Wuninitialized; this runs once per chunk.
-    alignas(64) float x[16];
-    _mm512_store_ps(x, a);
-    for (int w = 8; w >= 1; w /= 2) {
+    alignas(64) double x[8];
+    _mm512_store_pd(x, _mm512_add_pd(s.lo, s.hi));
+    for (int w = 4; w >= 1; w /= 2) {
       for (int i = 0; i < w; ++i) x[i] += x[i + w];
     }
     return x[0];

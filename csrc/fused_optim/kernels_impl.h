@@ -5,8 +5,16 @@
 //   VO  vector float ops (W lanes),   SO  scalar float ops (W == 1),
 //   DO  scalar double ops (only when AIAK_WITH_F64 is defined, in the scalar TU).
 // Each ops struct provides: T (math type), V (register type), W, load/store (T*), set1, add, sub,
-// mul, div, sqrt, max, fma(a, b, c) = a*b + c with one rounding, neg, reduce_add, and for float
-// ops load_bf16/store_bf16/load_f16/store_f16 (round to nearest even).
+// mul, div, sqrt, max, fma(a, b, c) = a*b + c with one rounding, neg, for float ops
+// load_bf16/store_bf16/load_f16/store_f16 (round to nearest even), and a sum of squares in
+// double: S (accumulator type), sq_zero(), add_sq(S, V) and sq_total(S).
+//
+// Sums of squares (LAMB's norms, the global gradient norm) accumulate in double.  In float, a
+// 32K-element chunk summed in 1 (scalar), 8 (AVX2) or 16 (AVX-512) lanes carried a relative
+// error of up to ~1e-5 that depended on the ISA; LAMB divides the gradient by the clip norm
+// and, in L2 mode, adds wd * p, so where the two nearly cancel that error grew to percents of
+// the moment and ~1e-5 of the parameter.  A float squared is exact in double, and the double
+// sums agree across ISAs to ~1e-16, far below a float's resolution.
 //
 // Every element is loaded once and stored once.  The order of operations mirrors the ATen
 // kernels behind torch.optim's for-loop path so results agree to the last bit in most
@@ -15,9 +23,9 @@
 
 template <class O, int PT>
 inline typename O::V ld_param(const void* base, int64_t i) {
-  if constexpr (PT == kF32 || PT == kF64) {
+  if constexpr (PT == FLOAT32 || PT == FLOAT64) {
     return O::load(static_cast<const typename O::T*>(base) + i);
-  } else if constexpr (PT == kBF16) {
+  } else if constexpr (PT == BFLOAT16) {
     return O::load_bf16(static_cast<const uint16_t*>(base) + i);
   } else {
     return O::load_f16(static_cast<const uint16_t*>(base) + i);
@@ -26,9 +34,9 @@ inline typename O::V ld_param(const void* base, int64_t i) {
 
 template <class O, int PT>
 inline void st_param(void* base, int64_t i, typename O::V x) {
-  if constexpr (PT == kF32 || PT == kF64) {
+  if constexpr (PT == FLOAT32 || PT == FLOAT64) {
     O::store(static_cast<typename O::T*>(base) + i, x);
-  } else if constexpr (PT == kBF16) {
+  } else if constexpr (PT == BFLOAT16) {
     O::store_bf16(static_cast<uint16_t*>(base) + i, x);
   } else {
     O::store_f16(static_cast<uint16_t*>(base) + i, x);
@@ -41,7 +49,7 @@ constexpr int64_t kAhead = 512;
 
 template <int PT>
 inline void prefetch_param(const void* base, int64_t i) {
-  constexpr int64_t size = (PT == kF32) ? 4 : (PT == kF64) ? 8 : 2;
+  constexpr int64_t size = (PT == FLOAT32) ? 4 : (PT == FLOAT64) ? 8 : 2;
   __builtin_prefetch(static_cast<const char*>(base) + (i + kAhead) * size, 1);
 }
 
@@ -230,7 +238,7 @@ struct LambK {
 };
 
 template <class O, int PT>
-inline void lamb1_elem(const LambK<O>& k, int64_t i, typename O::V& acc_p, typename O::V& acc_u) {
+inline void lamb1_elem(const LambK<O>& k, int64_t i, typename O::S& acc_p, typename O::S& acc_u) {
   using V = typename O::V;
   V g = ld_param<O, PT>(k.g, i);
   if (k.unscale) st_param<O, PT>(k.g, i, O::mul(g, k.inv_scale));
@@ -242,16 +250,16 @@ inline void lamb1_elem(const LambK<O>& k, int64_t i, typename O::V& acc_p, typen
   O::store(k.m + i, m);
   O::store(k.v + i, v);
   const V u = k.update(m, v, p);
-  acc_p = O::fma(p, p, acc_p);
-  acc_u = O::fma(u, u, acc_u);
+  acc_p = O::add_sq(acc_p, p);
+  acc_u = O::add_sq(acc_u, u);
 }
 
 template <class VOps, class SOps, int PT>
 void lamb1_range(const LambArgs& a, const LambPtrs& t, int64_t b, int64_t e, double* p_sq,
                  double* u_sq) {
   const LambK<VOps> kv(a, t);
-  typename VOps::V vp = VOps::set1(0), vu = VOps::set1(0);
-  typename SOps::V sp = SOps::set1(0), su = SOps::set1(0);
+  typename VOps::S vp = VOps::sq_zero(), vu = VOps::sq_zero();
+  typename SOps::S sp = SOps::sq_zero(), su = SOps::sq_zero();
   int64_t i = b;
   for (; i + VOps::W <= e; i += VOps::W) {
     prefetch_param<PT>(kv.g, i);
@@ -265,8 +273,8 @@ void lamb1_range(const LambArgs& a, const LambPtrs& t, int64_t b, int64_t e, dou
     const LambK<SOps> ks(a, t);
     for (; i < e; ++i) lamb1_elem<SOps, PT>(ks, i, sp, su);
   }
-  *p_sq = double(VOps::reduce_add(vp)) + double(SOps::reduce_add(sp));
-  *u_sq = double(VOps::reduce_add(vu)) + double(SOps::reduce_add(su));
+  *p_sq = VOps::sq_total(vp) + SOps::sq_total(sp);
+  *u_sq = VOps::sq_total(vu) + SOps::sq_total(su);
 }
 
 template <class O, int PT>
@@ -297,43 +305,37 @@ void lamb2_range(const LambArgs& a, const LambPtrs& t, int64_t b, int64_t e) {
 // ------------------------------------------------------------------------------ sum of squares
 template <class VOps, class SOps, int PT>
 double sumsq_range(const void* x, int64_t b, int64_t e) {
-  typename VOps::V acc = VOps::set1(0);
-  typename SOps::V sacc = SOps::set1(0);
+  typename VOps::S acc = VOps::sq_zero();
+  typename SOps::S sacc = SOps::sq_zero();
   int64_t i = b;
-  for (; i + VOps::W <= e; i += VOps::W) {
-    typename VOps::V v = ld_param<VOps, PT>(x, i);
-    acc = VOps::fma(v, v, acc);
-  }
-  for (; i < e; ++i) {
-    typename SOps::V v = ld_param<SOps, PT>(x, i);
-    sacc = SOps::fma(v, v, sacc);
-  }
-  return double(VOps::reduce_add(acc)) + double(SOps::reduce_add(sacc));
+  for (; i + VOps::W <= e; i += VOps::W) acc = VOps::add_sq(acc, ld_param<VOps, PT>(x, i));
+  for (; i < e; ++i) sacc = SOps::add_sq(sacc, ld_param<SOps, PT>(x, i));
+  return VOps::sq_total(acc) + SOps::sq_total(sacc);
 }
 
 // Fills the float entries (fp32, fp16, bf16) of a table from VO/SO.
 inline void fill_float_entries(KernelTable& t) {
-  t.adam[kF32] = &adam_range<VO, SO, kF32>;
-  t.adam[kF16] = &adam_range<VO, SO, kF16>;
-  t.adam[kBF16] = &adam_range<VO, SO, kBF16>;
-  t.sgd[kF32] = &sgd_range<VO, SO, kF32>;
-  t.sgd[kF16] = &sgd_range<VO, SO, kF16>;
-  t.sgd[kBF16] = &sgd_range<VO, SO, kBF16>;
-  t.lamb1[kF32] = &lamb1_range<VO, SO, kF32>;
-  t.lamb1[kF16] = &lamb1_range<VO, SO, kF16>;
-  t.lamb1[kBF16] = &lamb1_range<VO, SO, kBF16>;
-  t.lamb2[kF32] = &lamb2_range<VO, SO, kF32>;
-  t.lamb2[kF16] = &lamb2_range<VO, SO, kF16>;
-  t.lamb2[kBF16] = &lamb2_range<VO, SO, kBF16>;
-  t.sumsq[kF32] = &sumsq_range<VO, SO, kF32>;
-  t.sumsq[kF16] = &sumsq_range<VO, SO, kF16>;
-  t.sumsq[kBF16] = &sumsq_range<VO, SO, kBF16>;
+  t.adam[FLOAT32] = &adam_range<VO, SO, FLOAT32>;
+  t.adam[FLOAT16] = &adam_range<VO, SO, FLOAT16>;
+  t.adam[BFLOAT16] = &adam_range<VO, SO, BFLOAT16>;
+  t.sgd[FLOAT32] = &sgd_range<VO, SO, FLOAT32>;
+  t.sgd[FLOAT16] = &sgd_range<VO, SO, FLOAT16>;
+  t.sgd[BFLOAT16] = &sgd_range<VO, SO, BFLOAT16>;
+  t.lamb1[FLOAT32] = &lamb1_range<VO, SO, FLOAT32>;
+  t.lamb1[FLOAT16] = &lamb1_range<VO, SO, FLOAT16>;
+  t.lamb1[BFLOAT16] = &lamb1_range<VO, SO, BFLOAT16>;
+  t.lamb2[FLOAT32] = &lamb2_range<VO, SO, FLOAT32>;
+  t.lamb2[FLOAT16] = &lamb2_range<VO, SO, FLOAT16>;
+  t.lamb2[BFLOAT16] = &lamb2_range<VO, SO, BFLOAT16>;
+  t.sumsq[FLOAT32] = &sumsq_range<VO, SO, FLOAT32>;
+  t.sumsq[FLOAT16] = &sumsq_range<VO, SO, FLOAT16>;
+  t.sumsq[BFLOAT16] = &sumsq_range<VO, SO, BFLOAT16>;
 #ifdef AIAK_WITH_F64
-  t.adam[kF64] = &adam_range<DO, DO, kF64>;
-  t.sgd[kF64] = &sgd_range<DO, DO, kF64>;
-  t.lamb1[kF64] = &lamb1_range<DO, DO, kF64>;
-  t.lamb2[kF64] = &lamb2_range<DO, DO, kF64>;
-  t.sumsq[kF64] = &sumsq_range<DO, DO, kF64>;
+  t.adam[FLOAT64] = &adam_range<DO, DO, FLOAT64>;
+  t.sgd[FLOAT64] = &sgd_range<DO, DO, FLOAT64>;
+  t.lamb1[FLOAT64] = &lamb1_range<DO, DO, FLOAT64>;
+  t.lamb2[FLOAT64] = &lamb2_range<DO, DO, FLOAT64>;
+  t.sumsq[FLOAT64] = &sumsq_range<DO, DO, FLOAT64>;
 #endif
 }
 

@@ -1,6 +1,6 @@
 // aiak_training.fused_optim._cpu: multi-tensor fused optimizer steps for CPU tensors.
 //
-// Python passes raw data pointers (ints), element counts and a dtype code (see fused_optim.h);
+// Python passes raw data pointers (ints), element counts and a DataType code (common/dtypes.h);
 // no framework headers are used, so the module works with any torch version.
 //
 // Work is split into fixed-size chunks over all tensors of a call and handed to a small
@@ -233,7 +233,8 @@ void parallel_chunks(int threads, const std::vector<Chunk>& chunks,
 void* ptr(int64_t v) { return reinterpret_cast<void*>(static_cast<intptr_t>(v)); }
 
 void check_dtype(int dtype) {
-  if (dtype < 0 || dtype >= kNumDTypes) throw std::invalid_argument("unsupported dtype code");
+  if (dtype != FLOAT32 && dtype != FLOAT16 && dtype != BFLOAT16 && dtype != FLOAT64)
+    throw std::invalid_argument("unsupported dtype code " + std::to_string(dtype));
 }
 
 void check_len(const std::vector<int64_t>& v, size_t n, const char* what, bool optional) {
@@ -245,7 +246,7 @@ void check_len(const std::vector<int64_t>& v, size_t n, const char* what, bool o
 }
 
 template <class Fn>
-Fn pick(Fn const (&entries)[kNumDTypes], Fn const (&fallback)[kNumDTypes], int dtype) {
+Fn pick(Fn const (&entries)[kNumDataTypes], Fn const (&fallback)[kNumDataTypes], int dtype) {
   return entries[dtype] ? entries[dtype] : fallback[dtype];
 }
 

@@ -1,26 +1,12 @@
-// Scalar float ops for the translation units built with F16C (AVX2, AVX-512): their scalar
-// tails.  Included inside each TU's anonymous namespace, so every TU keeps its own copy,
-// compiled with its own ISA flags (see kernels_avx2.cpp on why nothing may be shared inline).
+// The scalar ops of the translation units built with F16C (AVX2, AVX-512): float16 goes
+// through the F16C instructions.  Included inside each TU's anonymous namespace.
 #pragma once
 
-struct SO {
-  using T = float;
-  using V = float;
-  static constexpr int W = 1;
-  static V load(const float* p) { return *p; }
-  static void store(float* p, V v) { *p = v; }
-  static V set1(float x) { return x; }
-  static V add(V a, V b) { return a + b; }
-  static V sub(V a, V b) { return a - b; }
-  static V mul(V a, V b) { return a * b; }
-  static V div(V a, V b) { return a / b; }
-  static V sqrt(V a) { return __builtin_sqrtf(a); }
-  static V max(V a, V b) { return a > b ? a : b; }
-  static V fma(V a, V b, V c) { return __builtin_fmaf(a, b, c); }
-  static V neg(V a) { return -a; }
-  static float reduce_add(V a) { return a; }
-  static V load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
-  static void store_bf16(uint16_t* p, V v) { *p = f32_to_bf16(v); }
-  static V load_f16(const uint16_t* p) { return _cvtsh_ss(*p); }
-  static void store_f16(uint16_t* p, V v) { *p = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+#include "fused_optim/scalar_ops.h"
+
+struct F16cHalf {
+  static float load(const uint16_t* p) { return _cvtsh_ss(*p); }
+  static void store(uint16_t* p, float v) { *p = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
 };
+
+using SO = ScalarOps<float, F16cHalf>;

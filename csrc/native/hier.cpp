@@ -42,7 +42,8 @@
 #include <unistd.h>
 #endif
 
-#include "native/dtypes.h"
+#include "common/dtypes.h"
+#include "common/half.h"
 
 namespace py = pybind11;
 
@@ -164,16 +165,6 @@ void fold(const std::vector<uintptr_t>& srcs, uintptr_t dst, int64_t n, int dtyp
       }
       break;
     default: throw std::invalid_argument("reduce_sources: unsupported dtype " + std::to_string(dtype));
-  }
-}
-
-int itemsize(int dtype) {
-  switch (dtype) {
-    case UINT8: case INT8: case BOOL: return 1;
-    case UINT16: case INT16: case FLOAT16: case BFLOAT16: return 2;
-    case INT32: case FLOAT32: return 4;
-    case INT64: case FLOAT64: return 8;
-    default: throw std::invalid_argument("unsupported dtype " + std::to_string(dtype));
   }
 }
 

@@ -12,7 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "native/dtypes.h"
+#include "common/dtypes.h"
+#include "common/half.h"
 #include "native/hier.h"
 
 namespace py = pybind11;
@@ -24,46 +25,57 @@ template <typename T>
 inline T* as_ptr(uintptr_t addr) { return reinterpret_cast<T*>(addr); }
 
 // ---- scaling ---------------------------------------------------------------------------
-// Integers are scaled in double and truncated, as Horovod does (and as torch's `.to(int)`);
-// half types are scaled in float.
+// d[i] = s[i] * factor with the arithmetic of Horovod 0.28.1's CPU ScaleBuffer, so pre/postscale
+// and Average match it bit for bit: integers are multiplied in double and truncated; float32
+// in float, by the factor rounded to float; float16 (and bfloat16, which Horovod lacks) the
+// same in float, then rounded to the half type; float64 in double.  s may equal d.  Each loop
+// is a plain element-wise pass the compiler vectorises.
 template <typename T>
-void scale_int(T* p, int64_t n, double f) {
-  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<T>(static_cast<double>(p[i]) * f);
+void scale_int(const T* s, T* d, int64_t n, double f) {
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<T>(static_cast<double>(s[i]) * f);
 }
 
-// Scaled in double and rounded once, so Average over a non-power-of-two size is correctly
-// rounded (the loop stays memory-bound; the conversions vectorise).
-void scale_f32(float* p, int64_t n, double f) {
-  for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(static_cast<double>(p[i]) * f);
+template <typename T>
+void scale_float(const T* s, T* d, int64_t n, T f) {
+  for (int64_t i = 0; i < n; ++i) d[i] = s[i] * f;
 }
 
-void scale_f64(double* p, int64_t n, double f) {
-  for (int64_t i = 0; i < n; ++i) p[i] *= f;
-}
-
-// Half types: product in double, rounded to float, then to the half type.
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
-void scale_half(uint16_t* p, int64_t n, double f) {
-  for (int64_t i = 0; i < n; ++i)
-    p[i] = FromF(static_cast<float>(static_cast<double>(ToF(p[i])) * f));
+void scale_half(const uint16_t* s, uint16_t* d, int64_t n, float f) {
+  for (int64_t i = 0; i < n; ++i) d[i] = FromF(ToF(s[i]) * f);
+}
+
+bool scalable(int dtype) { return dtype != BOOL && itemsize(dtype) != 0; }
+
+void scale_into(uintptr_t src, uintptr_t dst, int64_t n, int dtype, double factor) {
+  switch (dtype) {
+    case UINT8: scale_int(as_ptr<const uint8_t>(src), as_ptr<uint8_t>(dst), n, factor); break;
+    case INT8: scale_int(as_ptr<const int8_t>(src), as_ptr<int8_t>(dst), n, factor); break;
+    case UINT16: scale_int(as_ptr<const uint16_t>(src), as_ptr<uint16_t>(dst), n, factor); break;
+    case INT16: scale_int(as_ptr<const int16_t>(src), as_ptr<int16_t>(dst), n, factor); break;
+    case INT32: scale_int(as_ptr<const int32_t>(src), as_ptr<int32_t>(dst), n, factor); break;
+    case INT64: scale_int(as_ptr<const int64_t>(src), as_ptr<int64_t>(dst), n, factor); break;
+    case FLOAT32:
+      scale_float(as_ptr<const float>(src), as_ptr<float>(dst), n, static_cast<float>(factor));
+      break;
+    case FLOAT64: scale_float(as_ptr<const double>(src), as_ptr<double>(dst), n, factor); break;
+    case FLOAT16:
+      scale_half<half_to_float, float_to_half>(as_ptr<const uint16_t>(src), as_ptr<uint16_t>(dst),
+                                               n, static_cast<float>(factor));
+      break;
+    case BFLOAT16:
+      scale_half<bf16_to_float, float_to_bf16>(as_ptr<const uint16_t>(src), as_ptr<uint16_t>(dst),
+                                               n, static_cast<float>(factor));
+      break;
+  }
 }
 
 void scale(uintptr_t addr, int64_t n, int dtype, double factor) {
-  if (n <= 0 || factor == 1.0) return;
+  if (n <= 0 || factor == 1.0) return;  // as Horovod: a factor of 1 is no pass at all
+  if (!scalable(dtype))
+    throw std::invalid_argument("scale: unsupported dtype " + std::to_string(dtype));
   py::gil_scoped_release release;
-  switch (dtype) {
-    case UINT8: scale_int(as_ptr<uint8_t>(addr), n, factor); break;
-    case INT8: scale_int(as_ptr<int8_t>(addr), n, factor); break;
-    case UINT16: scale_int(as_ptr<uint16_t>(addr), n, factor); break;
-    case INT16: scale_int(as_ptr<int16_t>(addr), n, factor); break;
-    case INT32: scale_int(as_ptr<int32_t>(addr), n, factor); break;
-    case INT64: scale_int(as_ptr<int64_t>(addr), n, factor); break;
-    case FLOAT32: scale_f32(as_ptr<float>(addr), n, factor); break;
-    case FLOAT64: scale_f64(as_ptr<double>(addr), n, factor); break;
-    case FLOAT16: scale_half<half_to_float, float_to_half>(as_ptr<uint16_t>(addr), n, factor); break;
-    case BFLOAT16: scale_half<bf16_to_float, float_to_bf16>(as_ptr<uint16_t>(addr), n, factor); break;
-    default: throw std::invalid_argument("scale: unsupported dtype " + std::to_string(dtype));
-  }
+  scale_into(addr, addr, n, dtype, factor);
 }
 
 // ---- reduction: dst = op(dst, src) -------------------------------------------------------
@@ -161,32 +173,24 @@ void copy_batch(const std::vector<uintptr_t>& dst, const std::vector<uintptr_t>&
   }
 }
 
-// Unpack with a scale folded into the same pass: dst_i = src_i * factor.  Saves one full
-// read+write of the fusion buffer compared with scale-then-copy.
+// Unpack with a scale folded into the same pass: dst[k] = src[k] * factor, with scale()'s
+// arithmetic.  Saves one full read+write of the fusion buffer compared with scale-then-copy.
 void copy_scaled_batch(const std::vector<uintptr_t>& dst, const std::vector<uintptr_t>& src,
                        const std::vector<int64_t>& counts, int dtype, double factor) {
   if (dst.size() != src.size() || dst.size() != counts.size())
     throw std::invalid_argument("copy_scaled_batch: dst, src and counts must have equal lengths");
-  if (dtype == FLOAT32) {
-    py::gil_scoped_release release;
-    for (size_t k = 0; k < dst.size(); ++k) {
-      const float* s = as_ptr<const float>(src[k]);
-      float* d = as_ptr<float>(dst[k]);
-      for (int64_t i = 0; i < counts[k]; ++i)
-        d[i] = static_cast<float>(static_cast<double>(s[i]) * factor);
+  if (itemsize(dtype) == 0 || (factor != 1.0 && !scalable(dtype)))
+    throw std::invalid_argument("copy_scaled_batch: unsupported dtype " + std::to_string(dtype));
+  py::gil_scoped_release release;
+  for (size_t k = 0; k < dst.size(); ++k) {
+    if (counts[k] <= 0) continue;
+    if (factor == 1.0) {
+      if (dst[k] != src[k])
+        std::memcpy(as_ptr<void>(dst[k]), as_ptr<const void>(src[k]), counts[k] * itemsize(dtype));
+    } else {
+      scale_into(src[k], dst[k], counts[k], dtype, factor);
     }
-    return;
   }
-  if (dtype == FLOAT64) {
-    py::gil_scoped_release release;
-    for (size_t k = 0; k < dst.size(); ++k) {
-      const double* s = as_ptr<const double>(src[k]);
-      double* d = as_ptr<double>(dst[k]);
-      for (int64_t i = 0; i < counts[k]; ++i) d[i] = s[i] * factor;
-    }
-    return;
-  }
-  throw std::invalid_argument("copy_scaled_batch: only float32/float64 are fused with scaling");
 }
 
 }  // namespace
@@ -194,7 +198,8 @@ void copy_scaled_batch(const std::vector<uintptr_t>& dst, const std::vector<uint
 PYBIND11_MODULE(_native, m) {
   m.doc() = "aiak-training engine kernels (raw pointers only; no framework ABI)";
   m.def("scale", &scale, py::arg("addr"), py::arg("count"), py::arg("dtype"), py::arg("factor"),
-        "In-place multiply of `count` elements at `addr` by `factor`.");
+        "In-place multiply of `count` elements at `addr` by `factor`, as Horovod's CPU "
+        "ScaleBuffer computes it (float32/float16/bfloat16 in float, integers truncated).");
   m.def("reduce", &reduce, py::arg("src"), py::arg("dst"), py::arg("count"), py::arg("dtype"),
         py::arg("op"), "dst = op(dst, src), elementwise.");
   m.def("reduce_many", &reduce_many, py::arg("srcs"), py::arg("dst"), py::arg("count"),
@@ -203,7 +208,7 @@ PYBIND11_MODULE(_native, m) {
         "memcpy each (dst[i], src[i], nbytes[i]) without holding the GIL.");
   m.def("copy_scaled_batch", &copy_scaled_batch, py::arg("dst"), py::arg("src"),
         py::arg("counts"), py::arg("dtype"), py::arg("factor"),
-        "dst[i][:] = src[i][:] * factor for float32/float64.");
+        "dst[i][:] = src[i][:] * factor, with scale()'s arithmetic.");
   m.def("half_roundtrip", [](float f) { return half_to_float(float_to_half(f)); },
         "Round a float through IEEE half (for tests).");
   m.def("bf16_roundtrip", [](float f) { return bf16_to_float(float_to_bf16(f)); },

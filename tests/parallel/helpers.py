@@ -1,12 +1,13 @@
 """Independent reference computations for per-rank tests.
 
 Every rank can rebuild every other rank's input, because inputs are a pure function of
-(rank, seed).  References are computed here with plain torch in float64 / exact integers,
-never through the library under test.
+(rank, seed).  References are computed here with plain torch / numpy (float64, exact
+integers, or float32 where Horovod scales in float32), never through the library under test.
 """
 import os
 from typing import List
 
+import numpy as np
 import torch
 
 INT_TYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
@@ -31,8 +32,8 @@ def reference_reduce(tensors: List[torch.Tensor], op: str) -> torch.Tensor:
     wide = torch.stack([t.to(torch.float64) for t in tensors])
     if op == "sum":
         out = wide.sum(0)
-    elif op == "average":
-        out = wide.sum(0) * (1.0 / len(tensors))
+    elif op == "average":  # Horovod: the sum (exact for these inputs), then times 1/size
+        return scale_like_horovod(cast_like(wide.sum(0), dtype), 1.0 / len(tensors))
     elif op == "min":
         out = wide.min(0).values
     elif op == "max":
@@ -52,8 +53,24 @@ def cast_like(value64: torch.Tensor, dtype) -> torch.Tensor:
             return (out % 256).to(torch.uint8)
         return out.to(dtype)
     if dtype in (torch.float16, torch.bfloat16):
-        return value64.to(torch.float32).to(dtype)  # the engine scales halves via float
+        return value64.to(torch.float32).to(dtype)
     return value64.to(dtype)
+
+
+def scale_like_horovod(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """``t * factor`` as Horovod 0.28.1's CPU ScaleBuffer computes it, here in numpy:
+    integers in float64 and truncated; float32, float16 and bfloat16 in float32 arithmetic
+    with the factor first rounded to float32 (then rounded to the half type); float64 in
+    float64."""
+    dtype = t.dtype
+    if dtype == torch.float64:
+        return torch.from_numpy(np.asarray(t.numpy() * np.float64(factor)))
+    if dtype in (torch.float16, torch.bfloat16, torch.float32):
+        with np.errstate(over="ignore"):  # overflow to inf is part of the semantics
+            product = np.asarray(t.float().numpy() * np.float32(factor))  # float32 arithmetic
+        assert product.dtype == np.float32
+        return torch.from_numpy(product).to(dtype)
+    return cast_like(torch.from_numpy(np.asarray(t.numpy().astype(np.float64) * factor)), dtype)
 
 
 def expected_layout():

@@ -27,7 +27,7 @@ from aiak_training.allreduce import ALGORITHMS, close_algorithm, create_algorith
 from aiak_training.runtime import current
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.topology import build_topology
-from helpers import cast_like, expected_layout
+from helpers import cast_like, expected_layout, scale_like_horovod
 
 DTYPES = {torch.uint8: DataType.UINT8, torch.int8: DataType.INT8, torch.int16: DataType.INT16,
           torch.int32: DataType.INT32, torch.int64: DataType.INT64,
@@ -62,8 +62,8 @@ def reference(n: int, dtype: torch.dtype, op: str, seed: int, size: int) -> torc
         return stacked.any(0) if op in ("sum", "max") else stacked.all(0)
     wide = torch.stack([t.to(torch.float64) for t in inputs]) if n \
         else torch.zeros(size, 0, dtype=torch.float64)
-    if op == "average":  # as tests/parallel/helpers.reference_reduce computes it
-        return cast_like(wide.sum(0) * (1.0 / size), dtype)
+    if op == "average":  # Horovod's: the (exact) sum, scaled as helpers.scale_like_horovod
+        return scale_like_horovod(cast_like(wide.sum(0), dtype), 1.0 / size)
     out = {"sum": lambda: wide.sum(0),
            "min": lambda: wide.min(0).values if n else wide.sum(0),
            "max": lambda: wide.max(0).values if n else wide.sum(0),

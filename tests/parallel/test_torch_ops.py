@@ -11,7 +11,7 @@ import torch
 
 import aiak_training.torch as hvd
 from helpers import (FLOAT_TYPES, INT_TYPES, cast_like, expected_layout, rank_data,
-                     my_reducescatter_block, reference_reduce)
+                     my_reducescatter_block, reference_reduce, scale_like_horovod)
 
 OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
        "product": hvd.Product}
@@ -403,8 +403,8 @@ def test_allreduce_allgather_broadcast_gradients():
     assert torch.equal(x.grad, torch.full((3,), float(sum(range(1, n + 1)))))
 
     # Horovod averages the gradients of allgather and broadcast over the ranks (Average
-    # scales the float32 sum by 1/n in double and rounds once).
-    mean = float(torch.tensor(sum(range(1, n + 1)) * (1.0 / n), dtype=torch.float64).float())
+    # multiplies the float32 sum by float32(1/n) in float32).
+    mean = float(scale_like_horovod(torch.tensor(float(sum(range(1, n + 1)))), 1.0 / n))
     y = torch.ones(me + 1, 2, requires_grad=True)
     g = hvd.allgather(y)
     (g * (me + 1)).sum().backward()
@@ -417,7 +417,6 @@ def test_allreduce_allgather_broadcast_gradients():
 
 def test_grouped_allgather_gradients():
     n, me = hvd.size(), hvd.rank()
-    mean = float(torch.tensor(sum(range(1, n + 1)) * (1.0 / n), dtype=torch.float64).float())
     a = torch.ones(me + 1, 2, requires_grad=True)
     b = torch.ones(2 * me + 1, requires_grad=True)
     ga, gb = hvd.grouped_allgather([a, b])
@@ -426,11 +425,11 @@ def test_grouped_allgather_gradients():
     wa = torch.arange(ga.shape[0], dtype=torch.float32).unsqueeze(1)
     ((ga * wa).sum() * (me + 1) + (gb * 3.0).sum() * (me + 1)).backward()
     start = sum(r + 1 for r in range(me))
-    rows = torch.arange(start, start + me + 1, dtype=torch.float64).unsqueeze(1)
-    expected_a = (rows * sum(range(1, n + 1)) * (1.0 / n)).float().expand(me + 1, 2)
+    rows = torch.arange(start, start + me + 1, dtype=torch.float32).unsqueeze(1)
+    expected_a = scale_like_horovod(rows * sum(range(1, n + 1)), 1.0 / n).expand(me + 1, 2)
     assert torch.equal(a.grad, expected_a)
-    assert torch.equal(b.grad, torch.full((2 * me + 1,), float(
-        torch.tensor(3.0 * sum(range(1, n + 1)) * (1.0 / n), dtype=torch.float64).float())))
+    assert torch.equal(b.grad, scale_like_horovod(
+        torch.full((2 * me + 1,), 3.0 * sum(range(1, n + 1))), 1.0 / n))
 
 
 @pytest.mark.parametrize("op,pre,post", [("sum", 1.0, 1.0), ("average", 1.0, 1.0),

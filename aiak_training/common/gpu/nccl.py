@@ -57,7 +57,9 @@ def scalar(value: float, nccl_dtype: int):
             if nccl_dtype == FLOAT32:
                 narrowed, encoded = f32, ctypes.c_float(value)
             elif nccl_dtype == FLOAT16:
-                bits = struct.unpack("<H", struct.pack("<e", value))[0]
+                # Through float32, as Horovod's scale kernels and NCCL's own ncclAvg round
+                # a factor (straight from float64 differs where float32 lands on a tie).
+                bits = struct.unpack("<H", struct.pack("<e", f32))[0]
                 narrowed, encoded = struct.unpack("<e", struct.pack("<H", bits))[0], \
                     ctypes.c_uint16(bits)
             else:
@@ -86,12 +88,26 @@ def plan_reduction(dtype: DataType, op: ReduceOp, prescale: float, postscale: fl
                    size: int, version: int) -> Optional[Tuple[int, Optional[float]]]:
     """How NCCL computes ``postscale * reduce(prescale * x)`` (divided by ``size`` for
     Average) in one call: (NCCL op, pre-multiply factor or None).  None if it cannot, and
-    the caller stages through MPI instead.
+    the caller stages through MPI instead (with the CPU path's arithmetic).
 
     Average without other factors is ncclAvg.  Otherwise the factors fold into one
-    pre-multiplied sum of ``prescale * postscale (/ size)``: the same value mathematically,
-    though float rounding can differ by an ulp from scaling before and after.  Min, Max and
-    Product take no factors here, and integer types only integral ones (no Average).
+    pre-multiplied sum, ``sum_r T(f) * x_r`` with ``f = prescale * postscale (/ size)``.
+    Min, Max and Product take no factors here, and integer types only integral ones (no
+    Average).
+
+    Against Horovod 0.28.1's NCCL path (a scale kernel before the reduction, ncclSum or
+    ncclAvg, a scale kernel after it), bit for bit:
+
+    * the same: no factors (Horovod's allreduce also uses ncclAvg for Average); Sum with a
+      prescale only (NCCL rounds ``T(prescale) * x`` per input as Horovod's kernel does;
+      the float16 factor is rounded through float32 by both); and factors whose products
+      are exact (powers of two, barring overflow and subnormal results).
+    * different, by about an ulp per rounding: a postscale is applied to every input
+      before the sum instead of once to the sum; Average with factors rounds once where
+      Horovod rounds twice (its prescale kernel, then ncclAvg's own ``T(1/size) * x``);
+      reducescatter's Average is ncclAvg here, while Horovod sums and postscales by
+      ``T(1/size)`` (for integers: NCCL's integer division of the sum against Horovod's
+      truncated ``sum * (1.0 / size)``).  Matching those needs a scale kernel on the device.
     """
     if dtype not in NCCL_DTYPE:
         return None
