@@ -166,6 +166,8 @@ setup(
                 "with hierarchical allreduce, DGC, overlapped updates and fused optimizers",
     packages=find_packages(include=["aiak_training", "aiak_training.*"]),
     package_data={"aiak_training": ["compat/horovod_shim/**/*.py", "lib/*.so"]},
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.9",
     ext_modules=ext_modules,
     cmdclass={"build_ext": BuildExt},
@@ -175,6 +177,10 @@ setup(
         "test": ["pytest>=7", "scikit-learn>=1.0"],
         "examples": ["scikit-learn>=1.0"],
     },
-    entry_points={"console_scripts": ["aiakrun = aiak_training.runner.launch:main"]},
+    entry_points={
+        "console_scripts": ["aiakrun = aiak_training.runner.launch:main"],
+        # hvd.Compression.<name> plugins (aiak_training/torch/compression.py).
+        "aiak_training.compressors": ["dgc = aiak_training.dgc:DGCCompressor"],
+    },
     zip_safe=False,
 )

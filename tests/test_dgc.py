@@ -15,7 +15,7 @@ import torch
 import aiak_training.torch as hvd
 from aiak_training.dgc import DGCCompressor, DensitySchedule, PAPER_WARMUP_DENSITIES, select_topk
 from aiak_training.dgc import _kernels
-from aiak_training.dgc.exchange import pack, parse_segments, segment_layout
+from aiak_training.dgc.wire import pack, parse_segments, segment_layout
 
 native = pytest.mark.skipif(not _kernels.native_available(),
                             reason=f"aiak_training.dgc._dgc_cpu not built: {_kernels.IMPORT_ERROR}")

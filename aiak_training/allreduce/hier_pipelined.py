@@ -35,13 +35,8 @@ from aiak_training.allreduce._util import mpi_buf
 from aiak_training.allreduce.flat import flat_allreduce
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp, mpi_op
 from aiak_training.common.env import env_bytes, env_float, env_int
+from aiak_training.common.native import HierNode
 from aiak_training.common.topology import Topology
-
-try:
-    from aiak_training._native import HierNode
-except ImportError as exc:  # pragma: no cover - exercised only on a stale build
-    raise ImportError("aiak_training._native lacks HierNode: rebuild the extension "
-                      "(python setup.py build_ext --inplace).") from exc
 
 # Defaults, measured on the emulated 2x2 cluster (benchmarks/RESULTS.md).
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024

@@ -17,6 +17,7 @@ import torch
 
 from aiak_training.common.dtypes import DataType
 from aiak_training.common.once import warn_once  # noqa: F401  (re-exported)
+from aiak_training.dgc.wire import parse_segments
 
 try:
     from aiak_training.dgc import _dgc_cpu as ext  # type: ignore[attr-defined]
@@ -186,7 +187,6 @@ def scatter_add_segments(buf: torch.Tensor, nranks: int, outs: Sequence[torch.Te
             buf.data_ptr(), buf.numel(), int(nranks), [o.data_ptr() for o in outs],
             [o.numel() for o in outs], [DTYPE_CODES[o.dtype] for o in outs],
             [DTYPE_CODES[d] for d in wire_dtypes], float(scale)))
-    from aiak_training.dgc.exchange import parse_segments
     pairs = 0
     for segment in parse_segments(buf, nranks, [o.numel() for o in outs], wire_dtypes):
         for out, (idx, vals) in zip(outs, segment):

@@ -7,108 +7,18 @@ rank) concatenates the buffers; every rank then adds all ranks' values into dens
 rank order, so all ranks compute bit-identical sums.  Indices that several ranks selected are
 added, never overwritten.
 
-One rank's segment (native little-endian; offsets relative to the segment's start, which is
-a multiple of 8 bytes into the gathered buffer)::
-
-    int32 counts[T]              pairs per compressed tensor, in the optimizer's fixed order
-    int32 indices[sum(counts)]   tensor 0's indices, then tensor 1's, ...
-    for each tensor t:           counts[t] values in tensor t's wire dtype, the block starting
-                                 at a multiple of that dtype's item size
-    zero padding                 to a multiple of 8 bytes
-
-Every rank knows T, the order and the wire dtypes (same model, same options), so the header's
-counts are all a receiver needs to walk the segments.  The bytes on the wire per rank are the
-segment length: 4 bytes per tensor, 4 per index and 2/4/8 per value, plus padding.
+The segment layout is in :mod:`aiak_training.dgc.wire`.
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.dgc import _kernels
+from aiak_training.dgc.wire import pack
 from aiak_training.torch.mpi_ops import allgather_async, synchronize
-
-
-def _align(value: int, to: int) -> int:
-    return (value + to - 1) // to * to
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def segment_layout(counts: Sequence[int], wire_dtypes: Sequence[torch.dtype]
-                   ) -> Tuple[List[int], int]:
-    """(offset of each tensor's value block, total segment bytes) for one rank's counts."""
-    offset = 4 * len(counts) + 4 * sum(counts)
-    value_offsets = []
-    for count, dtype in zip(counts, wire_dtypes):
-        size = _itemsize(dtype)
-        offset = _align(offset, size)
-        value_offsets.append(offset)
-        offset += size * count
-    return value_offsets, _align(offset, 8)
-
-
-def pack(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One rank's segment as a uint8 tensor (layout in the module docstring).
-
-    ``indices[t]`` is int32; ``values[t]`` has tensor t's wire dtype and the same length.
-    """
-    counts = [int(i.numel()) for i in indices]
-    wire = [v.dtype for v in values]
-    value_offsets, total = segment_layout(counts, wire)
-    buf = torch.zeros(total, dtype=torch.uint8)
-    header = torch.tensor(counts, dtype=torch.int32)
-    buf[: 4 * len(counts)] = header.view(torch.uint8)
-    if sum(counts):
-        start = 4 * len(counts)
-        all_idx = torch.cat([i.to(torch.int32) for i in indices])
-        buf[start: start + 4 * all_idx.numel()] = all_idx.view(torch.uint8)
-    for vals, offset in zip(values, value_offsets):
-        if vals.numel():
-            raw = vals.contiguous().view(torch.uint8)
-            buf[offset: offset + raw.numel()] = raw
-    return buf
-
-
-def parse_segments(buf: torch.Tensor, nranks: int, numels: Sequence[int],
-                   wire_dtypes: Sequence[torch.dtype]
-                   ) -> Iterator[List[Tuple[torch.Tensor, torch.Tensor]]]:
-    """Yield, for each rank in order, ``[(indices, values)]`` per tensor (views into ``buf``).
-
-    The torch counterpart of the C++ parser; used by the fallback path and by tests.
-    """
-    T = len(numels)
-    offset = 0
-    total = buf.numel()
-    for _ in range(nranks):
-        if offset + 4 * T > total:
-            raise RuntimeError("DGC exchange: truncated header")
-        seg = buf[offset:]
-        counts = seg[: 4 * T].view(torch.int32).tolist() if T else []
-        for c, n in zip(counts, numels):
-            if c < 0 or c > n:
-                raise RuntimeError(f"DGC exchange: corrupt header (count {c})")
-        value_offsets, length = segment_layout(counts, wire_dtypes)
-        if offset + length > total:
-            raise RuntimeError("DGC exchange: segment runs past the buffer")
-        out = []
-        idx_at = 4 * T
-        for c, n, vo, dtype in zip(counts, numels, value_offsets, wire_dtypes):
-            idx = seg[idx_at: idx_at + 4 * c].view(torch.int32)
-            if c and (int(idx.min()) < 0 or int(idx.max()) >= n):
-                raise RuntimeError(f"DGC exchange: index out of range for a tensor of {n} "
-                                   "elements (ranks disagree on the compressed tensors?)")
-            vals = seg[vo: vo + _itemsize(dtype) * c].view(dtype)
-            out.append((idx, vals))
-            idx_at += 4 * c
-        yield out
-        offset += length
-    if offset != total:
-        raise RuntimeError(f"DGC exchange: {total - offset} bytes left after {nranks} segments")
 
 
 class PendingExchange:
