@@ -70,6 +70,11 @@ class Handle:
         self.event: int = 0
 
 
+def unknown_handle(hid: int) -> ValueError:
+    """The error for a handle this process never issued, or whose result was already taken."""
+    return ValueError(f"Handle {hid} was not created or has been cleared.")
+
+
 class HandleTable:
     """Handles by id, and the condition their waiters sleep on.
 
@@ -96,7 +101,7 @@ class HandleTable:
     def _get(self, hid: int) -> Handle:
         h = self._handles.get(hid)
         if h is None:
-            raise ValueError(f"Handle {hid} was not created or has been cleared.")
+            raise unknown_handle(hid)
         return h
 
     def complete(self, hid: int, error: Optional[str] = None, result: Any = None,

@@ -2,11 +2,26 @@
 
 Thin adapters: a tensor becomes (address, dtype, shape) for the engine, and the engine's
 completion becomes a tensor again.  No framework C++ is involved.
+
+What holds for every collective below, so that each docstring can stay short:
+
+* ``name`` is how the ranks recognise one operation: every member of ``process_set`` (the
+  global set unless given) submits it under the same name and dtype.  Left out, a name is
+  drawn from a per-set counter, so unnamed calls must come in the same order on all ranks.
+  Nothing moves before every member has submitted.
+* ``*_async`` calls return an integer handle: :func:`synchronize` waits and returns the
+  result, :func:`poll` says whether that would block.
+* A trailing ``_`` means in place: the result is written into the argument, which is also
+  returned.  The others never touch their argument and return fresh tensors.
+* The blocking out-of-place calls are differentiable (each says what its gradient is).
+* ``op`` is Average (the default when None), Sum, Min, Max or Product.  ``average`` is the
+  deprecated older switch (True: Average, False: Sum); give one of the two, not both.
+  ``prescale_factor`` and ``postscale_factor`` multiply the data before and after reducing.
 """
 import itertools
 import threading
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
@@ -20,11 +35,13 @@ from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank
                                          remove_process_set, rocm_built, shutdown, size,
                                          start_timeline, stop_timeline)
 from aiak_training.common.dtypes import DataType, ReduceOp
-from aiak_training.runtime.entries import TensorEntry
+from aiak_training.common.horovod_strings import (AVERAGE_DEPRECATED, OP_SUPERSEDES_AVERAGE,
+                                                  TENSOR_TYPE_NOT_SUPPORTED)
+from aiak_training.runtime.entries import TensorEntry, unknown_handle
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
 from aiak_training.common.messages import OpType, Request
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
-from aiak_training.torch.compression import Compression
+from aiak_training.torch.compression import Compression, Compressor
 from aiak_training.torch import cuda as _cuda
 from aiak_training.torch import output_pool
 
@@ -63,22 +80,20 @@ init.__doc__ = _basics.init.__doc__
 
 
 def handle_average_backwards_compatibility(op: Optional[int], average: Optional[bool]) -> int:
+    """The reduce op a call asked for, from ``op`` and the deprecated ``average`` flag."""
+    if average is None:
+        return Average if op is None else op
     if op is not None:
-        if average is not None:
-            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-        return op
-    if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in "
-                      "v1.0", DeprecationWarning)
-        return Average if average else Sum
-    return Average
+        raise ValueError(OP_SUPERSEDES_AVERAGE)
+    warnings.warn(AVERAGE_DEPRECATED, DeprecationWarning)
+    return Average if average else Sum
 
 
 # ---- helpers ------------------------------------------------------------------------------
 def _dtype(tensor: torch.Tensor) -> DataType:
     dt = _DTYPES.get(tensor.dtype)
     if dt is None:
-        raise ValueError(f"Tensor type {tensor.dtype} is not supported.")
+        raise ValueError(TENSOR_TYPE_NOT_SUPPORTED.format(tensor.dtype))
     return dt
 
 
@@ -205,6 +220,149 @@ def _contiguous_inplace(tensor: torch.Tensor) -> Tuple[torch.Tensor, Callable[[]
     return work, lambda: tensor.copy_(work)
 
 
+
+# ---- autograd -----------------------------------------------------------------------------
+# The blocking out-of-place collectives run through these Functions.  Each backward calls the
+# public collectives, themselves differentiable, so double backward works.  The gradient
+# formulas are Horovod's: models trained with it must get the same updates here.
+_ReduceOptions = Dict[str, Any]
+
+
+def _reduce_options(average: Optional[bool], op: Optional[int], prescale_factor: float,
+                    postscale_factor: float, process_set: ProcessSet) -> _ReduceOptions:
+    return {"average": average, "op": op, "prescale_factor": prescale_factor,
+            "postscale_factor": postscale_factor, "process_set": process_set}
+
+
+class _Allreduce(torch.autograd.Function):
+    """allreduce / grouped_allreduce.  The gradient is reduced like the values were."""
+
+    @staticmethod
+    def forward(ctx, grouped: bool, name: Optional[str], opts: _ReduceOptions, *tensors):
+        ctx.grouped, ctx.opts = grouped, opts
+        if grouped:
+            return synchronize(grouped_allreduce_async(list(tensors), name=name, **opts))
+        return synchronize(allreduce_async(tensors[0], name=name, **opts))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.grouped:
+            reduced = grouped_allreduce(list(grads), **ctx.opts)
+        else:
+            reduced = [allreduce(grads[0], **ctx.opts)]
+        return (None, None, None, *reduced)
+
+
+class _Allgather(torch.autograd.Function):
+    """allgather / grouped_allgather.  The gradient is averaged over the ranks, and each rank
+    keeps the rows it contributed."""
+
+    @staticmethod
+    def forward(ctx, grouped: bool, name: Optional[str], process_set: ProcessSet, *tensors):
+        ctx.grouped, ctx.process_set = grouped, process_set
+        ctx.rows = [t.shape[0] for t in tensors]
+        if grouped:
+            return synchronize(grouped_allgather_async(list(tensors), name, process_set))
+        return synchronize(allgather_async(tensors[0], name, process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        pset = ctx.process_set
+        if ctx.grouped:
+            averaged = grouped_allreduce(list(grads), op=Average, process_set=pset)
+        else:
+            averaged = [allreduce(grads[0], op=Average, process_set=pset)]
+        starts = _allgather_offsets(ctx.rows, pset)
+        own = [g.narrow(0, start, n) for g, start, n in zip(averaged, starts, ctx.rows)]
+        return (None, None, None, *own)
+
+
+def _allgather_offsets(dims: List[int], process_set: ProcessSet) -> List[int]:
+    """Where this rank's rows start in each gathered tensor, given its first dimensions."""
+    every = allgather(torch.tensor([dims], dtype=torch.int64), process_set=process_set)
+    return every[:process_set.rank()].sum(dim=0).tolist()
+
+
+class _Broadcast(torch.autograd.Function):
+    """broadcast.  The root gets the gradient averaged over the ranks; the others get zeros,
+    since their own values never reached the output."""
+
+    @staticmethod
+    def forward(ctx, root_rank: int, name: Optional[str], process_set: ProcessSet, tensor):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad):
+        averaged = allreduce(grad, op=Average, process_set=ctx.process_set)
+        if ctx.root_rank != rank():
+            averaged.mul_(0)
+        return None, None, None, averaged
+
+
+class _Alltoall(torch.autograd.Function):
+    """alltoall.  The gradient travels back the way the rows came: an alltoall with the
+    received counts as splits.  The received counts themselves have no gradient."""
+
+    @staticmethod
+    def forward(ctx, splits, name: Optional[str], process_set: ProcessSet, tensor):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.process_set, ctx.received = process_set, received
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, *_counts_grad):
+        returned, _ = alltoall(grad, splits=ctx.received, process_set=ctx.process_set)
+        return None, None, None, returned
+
+
+class _Reducescatter(torch.autograd.Function):
+    """reducescatter / grouped_reducescatter.  The gradient is the allgather of the scaled
+    incoming gradients (see _reducescatter_grad_scale)."""
+
+    @staticmethod
+    def forward(ctx, grouped: bool, name: Optional[str], opts: Dict[str, Any], *tensors):
+        ctx.grouped, ctx.opts = grouped, opts
+        if grouped:
+            return synchronize(grouped_reducescatter_async(list(tensors), name, **opts))
+        return synchronize(reducescatter_async(tensors[0], name, **opts))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        opts = ctx.opts
+        scale = opts["prescale_factor"] * opts["postscale_factor"]
+        scaled = [_reducescatter_grad_scale(g, opts["op"], scale, opts["process_set"])
+                  for g in grads]
+        if ctx.grouped:
+            gathered = grouped_allgather(scaled, process_set=opts["process_set"])
+        else:
+            gathered = [allgather(scaled[0], process_set=opts["process_set"])]
+        return (None, None, None, *gathered)
+
+
+def _reducescatter_grad_scale(grad: torch.Tensor, op: int, scale: float,
+                              process_set: ProcessSet) -> torch.Tensor:
+    """Horovod's scaling of a reducescatter gradient before it is gathered: times the set size
+    for Sum, unchanged for Average, then times the pre- and postscale factors."""
+    if op == Sum:
+        grad = grad * process_set.size()
+    return grad * scale if scale != 1.0 else grad
+
+
+def _compressed(compression: Type[Compressor], tensors: Sequence[torch.Tensor],
+                collective: Callable[[List[torch.Tensor]], Sequence[torch.Tensor]]
+                ) -> List[torch.Tensor]:
+    """Run ``collective`` on the compressed ``tensors``; return its results decompressed."""
+    if not tensors:
+        raise ValueError("Expected at least one tensor.")
+    encoded = [compression.compress(t) for t in tensors]
+    results = collective([wire for wire, _ in encoded])
+    return [compression.decompress(r, meta) for r, (_, meta) in zip(results, encoded)]
+
+
 # ---- allreduce ----------------------------------------------------------------------------
 def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor], names: "_Names",
                      op: int, prescale_factor: float, postscale_factor: float,
@@ -219,35 +377,14 @@ def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor], n
                    postscale=float(postscale_factor))
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=global_process_set) -> int:
-    """
-    A function that performs asynchronous averaging or summation of the input tensor
-    over all the Horovod processes. The input tensor is not modified.
+def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
+                    name: Optional[str] = None, op: Optional[int] = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensor`` over ``process_set`` with ``op``; returns a handle.
 
-    The reduction operation is keyed by the name. If name is not provided, an incremented
-    auto-generated name is used. The tensor type and shape must be the same on all
-    Horovod processes for a given name. The reduction will not start until all processes
-    are ready to send and receive the tensor.
-
-    Arguments:
-        tensor: A tensor to reduce.
-        average:
-            .. warning:: .. deprecated:: 0.19.0
-
-                Use `op` instead. Will be removed in v1.0.
-
-        name: A name of the reduction operation.
-        op: The reduction operation to combine tensors across different ranks. Defaults
-            to Average if None is given.
-        prescale_factor: Multiplicative factor to scale tensor before allreduce.
-        postscale_factor: Multiplicative factor to scale tensor after allreduce.
-        process_set: Process set object to limit this operation to a subset of
-            Horovod processes. Default is the global process set.
-
-    Returns:
-        A handle to the allreduce operation that can be used with `poll()` or
-        `synchronize()`.
+    ``tensor`` is left alone: ``synchronize(handle)`` returns a new tensor of its shape and
+    dtype.  All members must pass the same shape and dtype.
     """
     op = handle_average_backwards_compatibility(op, average)
     _check_tensor(tensor)
@@ -257,21 +394,12 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                             postscale_factor, process_set, lambda _: output)
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0, process_set=global_process_set) -> int:
-    """
-    A function that performs asynchronous in-place averaging or summation of the input
-    tensor over all the Horovod processes.
-
-    The reduction operation is keyed by the name. If name is not provided, an incremented
-    auto-generated name is used. The tensor type and shape must be the same on all
-    Horovod processes for a given name. The reduction will not start until all processes
-    are ready to send and receive the tensor.
-
-    Returns:
-        A handle to the allreduce operation that can be used with `poll()` or
-        `synchronize()`.
-    """
+def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,
+                     name: Optional[str] = None, op: Optional[int] = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """In-place :func:`allreduce_async`: ``synchronize(handle)`` stores the result in
+    ``tensor`` and returns it."""
     op = handle_average_backwards_compatibility(op, average)
     _check_tensor(tensor)
     work, copy_back = _contiguous_inplace(tensor)
@@ -283,105 +411,43 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                             postscale_factor, process_set, finish)
 
 
-class HorovodAllreduce(torch.autograd.Function):
-    """An autograd function that performs allreduce on a tensor."""
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression: Type[Compressor] = Compression.none, op: Optional[int] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` over ``process_set`` with ``op`` and wait; returns a new tensor of the
+    same shape and dtype.
 
-    @staticmethod
-    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
-        ctx.average, ctx.op = average, op
-        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
-        ctx.process_set = process_set
-        handle = allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
-                                 process_set)
-        return synchronize(handle)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return allreduce(grad_output, average=ctx.average, op=ctx.op,
-                         prescale_factor=ctx.prescale_factor,
-                         postscale_factor=ctx.postscale_factor,
-                         process_set=ctx.process_set), None, None, None, None, None, None
-
-
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    ``compression`` encodes the tensor for the wire and decodes the result (none by
+    default).  Differentiable: the gradient is reduced with the same ``op`` and factors.
     """
-    A function that performs averaging or summation of the input tensor over all the
-    Horovod processes. The input tensor is not modified.
-
-    The reduction operation is keyed by the name. If name is not provided, an incremented
-    auto-generated name is used. The tensor type and shape must be the same on all
-    Horovod processes for a given name. The reduction will not start until all processes
-    are ready to send and receive the tensor.
-
-    This acts as a thin wrapper around an autograd function.  If your input
-    tensor requires gradients, then callings this function will allow gradients
-    to be computed and backpropagated.
-
-    Arguments:
-        tensor: A tensor to reduce.
-        average:
-            .. warning:: .. deprecated:: 0.19.0
-
-                Use `op` instead. Will be removed in v1.0.
-
-        name: A name of the reduction operation.
-        compression: Compression algorithm used during allreduce to reduce the amount
-                     of data sent during the each parameter update step.  Defaults to
-                     not using compression.
-        op: The reduction operation to combine tensors across different ranks. Defaults
-            to Average if None is given.
-        prescale_factor: Multiplicative factor to scale tensor before allreduce.
-        postscale_factor: Multiplicative factor to scale tensor after allreduce.
-        process_set: Process set object to limit this operation to a subset of
-            Horovod processes. Default is the global process set.
-
-    Returns:
-        A tensor of the same shape and type as `tensor`, averaged or summed across all
-        processes.
-    """
-    tensor_compressed, ctx = compression.compress(tensor)
-    summed_tensor_compressed = HorovodAllreduce.apply(tensor_compressed, average, name, op,
-                                                      prescale_factor, postscale_factor,
-                                                      process_set)
-    return compression.decompress(summed_tensor_compressed, ctx)
+    opts = _reduce_options(average, op, prescale_factor, postscale_factor, process_set)
+    return _compressed(compression, [tensor],
+                       lambda wire: [_Allreduce.apply(False, name, opts, *wire)])[0]
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0, process_set=global_process_set):
-    """
-    A function that performs in-place averaging or summation of the input tensor over
-    all the Horovod processes.
-
-    Returns:
-        A tensor of the same shape and type as `tensor`, averaged or summed across all
-        processes.
-    """
-    handle = allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                              process_set)
-    return synchronize(handle)
+def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+               op: Optional[int] = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Blocking :func:`allreduce_async_`: reduces ``tensor`` in place and returns it (no
+    autograd)."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
 
 
 def _group_names(prefix: str, name: Optional[str], n: int) -> "_Names":
     return _Names(prefix, name, group=n)
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0, process_set=global_process_set) -> int:
-    """
-    A function that performs asynchronous averaging or summation of the input tensor
-    list over all the Horovod processes. The input tensors are not modified.
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                            name: Optional[str] = None, op: Optional[int] = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """:func:`allreduce_async` of several tensors as one operation, under one handle.
 
-    The reduction operations are keyed by the base name. If a base name is not
-    provided, an incremented auto-generated base name is used. Reductions are
-    performed across tensors in the same list position. The tensor type and shape must
-    be the same on all Horovod processes for tensors sharing positions in the input
-    tensor list. The reduction will not start until all processes are ready to send and
-    receive the tensors.
-
-    Returns:
-        A handle to the group allreduce operation that can be used with `poll()` or
-        `synchronize()`.
+    Tensors are matched across ranks by list position (``name`` is a base name, suffixed
+    with the position).  ``synchronize`` returns a tuple of new tensors in list order.
     """
     op = handle_average_backwards_compatibility(op, average)
     for t in tensors:
@@ -393,16 +459,12 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             lambda _: tuple(outputs))
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0, process_set=global_process_set) -> int:
-    """
-    A function that performs asynchronous in-place averaging or summation of the input
-    tensors over all the Horovod processes.
-
-    Returns:
-        A handle to the group allreduce operation that can be used with `poll()` or
-        `synchronize()`.
-    """
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                             name: Optional[str] = None, op: Optional[int] = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
+    """In-place :func:`grouped_allreduce_async`: ``synchronize`` returns the input tensors,
+    as a tuple, holding the results."""
     op = handle_average_backwards_compatibility(op, average)
     for t in tensors:
         _check_tensor(t)
@@ -417,64 +479,33 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                             prescale_factor, postscale_factor, process_set, finish)
 
 
-class HorovodGroupedAllreduce(torch.autograd.Function):
-    """An autograd function that performs allreduce on a list of tensors."""
-
-    @staticmethod
-    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
-        ctx.average, ctx.op = average, op
-        ctx.prescale_factor, ctx.postscale_factor = prescale_factor, postscale_factor
-        ctx.process_set = process_set
-        handle = grouped_allreduce_async(list(tensors), average, name, op, prescale_factor,
-                                         postscale_factor, process_set)
-        return synchronize(handle)
-
-    @staticmethod
-    def backward(ctx, *grad_output):
-        grad_reduced = grouped_allreduce(list(grad_output), average=ctx.average, op=ctx.op,
-                                         prescale_factor=ctx.prescale_factor,
-                                         postscale_factor=ctx.postscale_factor,
-                                         process_set=ctx.process_set)
-        return (None, None, None, None, None, None, *grad_reduced)
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None,
+                      compression: Type[Compressor] = Compression.none,
+                      op: Optional[int] = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
+    """Blocking, differentiable :func:`grouped_allreduce_async`, with ``compression`` as in
+    :func:`allreduce`; returns a list of new tensors in input order."""
+    opts = _reduce_options(average, op, prescale_factor, postscale_factor, process_set)
+    return _compressed(compression, tensors,
+                       lambda wire: _Allreduce.apply(True, name, opts, *wire))
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
-                      prescale_factor=1.0, postscale_factor=1.0,
-                      process_set=global_process_set):
-    """
-    A function that performs averaging or summation of the input tensor
-    list over all the Horovod processes. The input tensors are not modified.
-
-    This acts as a thin wrapper around an autograd function.  If your input
-    tensors require gradients, then calling this function will allow gradients
-    to be computed and backpropagated.
-
-    Returns:
-        A list containing tensors of the same shape and type as in `tensors`,
-        averaged or summed across all processes.
-    """
-    tensors_compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    summed = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor,
-                                           process_set, *tensors_compressed)
-    return [compression.decompress(t, ctx) for t, ctx in zip(summed, ctxs)]
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
+                       name: Optional[str] = None, op: Optional[int] = None,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set
+                       ) -> Tuple[torch.Tensor, ...]:
+    """Blocking :func:`grouped_allreduce_async_`: reduces each tensor in place and returns
+    them as a tuple (no autograd)."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                       postscale_factor=1.0, process_set=global_process_set):
-    """
-    A function that performs in-place averaging or summation of the input tensors over
-    all the Horovod processes.
-
-    Returns:
-        A list containing tensors of the same shape and type as in `tensors`,
-        averaged or summed across all processes.
-    """
-    handle = grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                      postscale_factor, process_set)
-    return synchronize(handle)
-
-
-def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
+                           process_set: ProcessSet = global_process_set
+                           ) -> Callable[[], torch.Tensor]:
     """Allreduce of a torch.sparse tensor through two allgathers (indices and values).
 
     Returns a callable that produces the reduced sparse tensor.
@@ -524,115 +555,37 @@ def _allgather_async(tensors, names, process_set, finish) -> int:
                    lambda _: finish(outputs), allocate=_allocator(outputs, srcs))
 
 
-def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
-    """
-    A function that asynchronously concatenates the input tensor with the same input
-    tensor on all other Horovod processes. The input tensor is not modified.
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start collecting ``tensor`` from every member of ``process_set``; returns a handle.
 
-    The concatenation is done on the first dimension, so the input tensors on the
-    different processes must have the same rank and shape, except for the first
-    dimension, which is allowed to be different.
-
-    Returns:
-        A handle to the allgather operation that can be used with `poll()` or
-        `synchronize()`.
+    ``synchronize`` returns a new tensor: the members' tensors stacked along dimension 0 in
+    rank order.  They must agree in dtype and in every dimension but the first.
     """
     return _allgather_async([tensor], _name("allgather", name), process_set,
                             lambda outs: outs[0])
 
 
-class HorovodAllgather(torch.autograd.Function):
-    """An autograd function that performs allgather on a tensor."""
-
-    @staticmethod
-    def forward(ctx, tensor, name, process_set):
-        ctx.dim = tensor.shape[0]
-        ctx.process_set = process_set
-        handle = allgather_async(tensor, name, process_set)
-        return synchronize(handle)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        # Averaged over the ranks, as Horovod does (every frontend): the gradient of the mean
-        # of the ranks' losses.
-        grad_reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        offset = _allgather_offsets([ctx.dim], ctx.process_set)[0]
-        return grad_reduced.narrow(0, offset, ctx.dim), None, None
+def allgather(tensor: torch.Tensor, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Blocking :func:`allgather_async`.  Differentiable: each rank's gradient is its own rows
+    of the incoming gradient averaged over the ranks."""
+    return _Allgather.apply(False, name, process_set, tensor)
 
 
-def _allgather_offsets(dims: List[int], process_set: ProcessSet) -> List[int]:
-    """Where this rank's rows start in each gathered tensor, given its first dimensions."""
-    every = allgather(torch.tensor([dims], dtype=torch.int64), process_set=process_set)
-    return every[:process_set.rank()].sum(dim=0).tolist()
-
-
-def allgather(tensor, name=None, process_set=global_process_set):
-    """
-    A function that concatenates the input tensor with the same input tensor on
-    all other Horovod processes. The input tensor is not modified.
-
-    The concatenation is done on the first dimension, so the input tensors on the
-    different processes must have the same rank and shape, except for the first
-    dimension, which is allowed to be different.
-
-    This acts as a thin wrapper around an autograd function.  If your input
-    tensor requires gradients, then callings this function will allow gradients
-    to be computed and backpropagated.
-
-    Returns:
-        A tensor of the same type as `tensor`, concatenated on dimension zero
-        across all processes. The shape is identical to the input shape, except for
-        the first dimension, which may be greater and is the sum of all first
-        dimensions of the tensors in different Horovod processes.
-    """
-    return HorovodAllgather.apply(tensor, name, process_set)
-
-
-def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
-    """
-    A function that asynchronously concatenates each input tensor with the corresponding
-    input tensor on all other Horovod processes for a list of input tensors.
-
-    Returns:
-        A handle to the group allgather operation that can be used with `poll()` or
-        `synchronize()`.
-    """
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """:func:`allgather_async` of several tensors as one operation, matched across ranks by
+    list position; ``synchronize`` returns a tuple in list order."""
     return _allgather_async(list(tensors), _group_names("grouped_allgather", name, len(tensors)),
                             process_set, tuple)
 
 
-class HorovodGroupedAllgather(torch.autograd.Function):
-    """An autograd function that performs allgather on a list of tensors."""
-
-    @staticmethod
-    def forward(ctx, name, process_set, *tensors):
-        ctx.dims = [t.shape[0] for t in tensors]
-        ctx.process_set = process_set
-        return synchronize(grouped_allgather_async(list(tensors), name, process_set))
-
-    @staticmethod
-    def backward(ctx, *grad_output):
-        grad_reduced = grouped_allreduce(list(grad_output), op=Average,
-                                         process_set=ctx.process_set)
-        offsets = _allgather_offsets(ctx.dims, ctx.process_set)
-        return (None, None, *[g.narrow(0, off, dim)
-                              for g, off, dim in zip(grad_reduced, offsets, ctx.dims)])
-
-
-def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """
-    A function that concatenates each input tensor with the corresponding input tensor
-    on all other Horovod processes for a list of input tensors.
-
-    This acts as a thin wrapper around an autograd function.  If your input
-    tensors require gradients, then calling this function will allow gradients
-    to be computed and backpropagated.
-
-    Returns:
-        A list containing tensors of the same type as in `tensors`. Each tensor is
-        concatenated on dimension zero across all processes.
-    """
-    return HorovodGroupedAllgather.apply(name, process_set, *tensors)
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                      process_set: ProcessSet = global_process_set) -> Tuple[torch.Tensor, ...]:
+    """Blocking, differentiable :func:`grouped_allgather_async` (gradient as in
+    :func:`allgather`); returns a tuple."""
+    return _Allgather.apply(True, name, process_set, *tensors)
 
 
 # ---- broadcast ----------------------------------------------------------------------------
@@ -648,19 +601,13 @@ def _broadcast_async(tensor, output, root_rank, name, process_set, finish) -> in
                    process_set, finish, root=ranks.index(root_rank))
 
 
-def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    """
-    A function that asynchronously broadcasts the input tensor on root rank to the same
-    input tensor on all other Horovod processes. The input tensor is not modified.
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start copying ``root_rank``'s ``tensor`` to every member of ``process_set``; returns a
+    handle.
 
-    The broadcast operation is keyed by the name. If name is not provided, an incremented
-    auto-generated name is used. The tensor type and shape must be the same on all
-    Horovod processes for a given name. The broadcast will not start until all processes
-    are ready to send and receive the tensor.
-
-    Returns:
-        A handle to the broadcast operation that can be used with `poll()` or
-        `synchronize()`.
+    ``root_rank`` is a global rank and must belong to the set.  All members pass the same
+    shape and dtype.  ``tensor`` is left alone: ``synchronize`` returns a new tensor.
     """
     _check_tensor(tensor)
     src = tensor.contiguous()
@@ -668,15 +615,10 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     return _broadcast_async(src, output, root_rank, name, process_set, lambda _: output)
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    """
-    A function that asynchronously broadcasts the input tensor on root rank to the same
-    input tensor on all other Horovod processes. The operation is performed in-place.
-
-    Returns:
-        A handle to the broadcast operation that can be used with `poll()` or
-        `synchronize()`.
-    """
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """In-place :func:`broadcast_async`: ``synchronize`` overwrites ``tensor`` with the root's
+    values and returns it."""
     _check_tensor(tensor)
     work, copy_back = _contiguous_inplace(tensor)
 
@@ -686,77 +628,33 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     return _broadcast_async(work, work, root_rank, name, process_set, finish)
 
 
-class HorovodBroadcast(torch.autograd.Function):
-    """An autograd function that broadcasts a tensor."""
-
-    @staticmethod
-    def forward(ctx, tensor, root_rank, name, process_set):
-        ctx.root_rank = root_rank
-        ctx.process_set = process_set
-        handle = broadcast_async(tensor, root_rank, name, process_set)
-        return synchronize(handle)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad_reduced = allreduce(grad_output, op=Average, process_set=ctx.process_set)  # as Horovod
-        if rank() != ctx.root_rank:
-            grad_reduced *= 0
-        return grad_reduced, None, None, None
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Blocking :func:`broadcast_async`.  Differentiable: the root's gradient is the incoming
+    gradient averaged over the ranks; every other rank gets zeros."""
+    return _Broadcast.apply(root_rank, name, process_set, tensor)
 
 
-def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
-    """
-    A function that broadcasts the input tensor on root rank to the same input tensor
-    on all other Horovod processes. The input tensor is not modified.
-
-    This acts as a thin wrapper around an autograd function.  If your input
-    tensor requires gradients, then callings this function will allow gradients
-    to be computed and backpropagated.
-
-    Returns:
-        A tensor of the same shape and type as `tensor`, with the value broadcasted
-        from root rank.
-    """
-    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
-
-
-def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
-    """
-    A function that broadcasts the input tensor on root rank to the same input tensor
-    on all other Horovod processes. The operation is performed in-place.
-
-    Returns:
-        A tensor of the same shape and type as `tensor`, with the value broadcasted
-        from root rank.
-    """
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Blocking :func:`broadcast_async_`: overwrites ``tensor`` with the root's values and
+    returns it (no autograd)."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # ---- alltoall -----------------------------------------------------------------------------
-def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
-    """
-    A function that scatters slices of the input tensor to all other Horovod processes
-    and returns a tensor of gathered slices from all other Horovod processes. The input
-    tensor is not modified.
+def alltoall_async(tensor: torch.Tensor,
+                   splits: Optional[Union[torch.Tensor, Sequence[int]]] = None,
+                   name: Optional[str] = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    """Start an all-to-all exchange of the rows (dimension 0) of ``tensor``; returns a handle.
 
-    The slicing is done on the first dimension, so the input tensors on
-    the different processes must have the same rank and shape, except for the
-    first dimension, which is allowed to be different.
-
-    Arguments:
-        tensor: A tensor to distribute with alltoall.
-        splits: A tensor of integers in rank order describing how many
-                elements in `tensor` to send to each worker.  Splitting is
-                applied along the first dimension of `tensor`. If `splits` is
-                not provided, the first dimension is split equally by the
-                number of Horovod processes.
-        name: A name of the alltoall operation.
-        process_set: Process set object to limit this operation to a subset of
-                     Horovod processes. Default is the global process set.
-
-    Returns:
-        A handle to the alltoall operation that can be used with `poll()` or
-        `synchronize()`.
+    ``splits`` gives how many rows go to each member, in rank order: an int32 tensor or a
+    sequence of ints, one non-negative entry per member, adding up to at most the row count.
+    Without it the rows are dealt out evenly, which needs a row count divisible by the set
+    size.  Other dimensions must agree on all members.  ``synchronize`` returns ``(output,
+    received)``: the rows received, concatenated in rank order, and an int32 tensor of how
+    many came from each member (on ``splits``'s device when that is a tensor, else the CPU).
     """
     _check_tensor(tensor)
     if tensor.dim() == 0:
@@ -796,42 +694,16 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
                    finish, allocate=_allocator(outputs, [src]), splits=tuple(split_list))
 
 
-class HorovodAlltoall(torch.autograd.Function):
-    """An autograd function that performs alltoall on a tensor."""
+def alltoall(tensor: torch.Tensor, splits: Optional[Union[torch.Tensor, Sequence[int]]] = None,
+             name: Optional[str] = None, process_set: ProcessSet = global_process_set
+             ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Blocking :func:`alltoall_async`.
 
-    @staticmethod
-    def forward(ctx, tensor, splits, name, process_set):
-        ctx.process_set = process_set
-        output, recv = synchronize(alltoall_async(tensor, splits, name, process_set))
-        ctx.recv_splits = recv
-        if splits is None:
-            return output
-        ctx.mark_non_differentiable(recv)
-        return output, recv
-
-    @staticmethod
-    def backward(ctx, grad_output, *unused):
-        grad, _ = alltoall(grad_output, splits=ctx.recv_splits, process_set=ctx.process_set)
-        return grad, None, None, None
-
-
-def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    Returns only the received tensor when ``splits`` is None, else ``(output, received)``.
+    Differentiable in ``tensor``: the gradient is sent back with an alltoall that uses the
+    received counts as splits.
     """
-    A function that scatters slices of the input tensor to all other Horovod processes
-    and returns a tensor of gathered slices from all other Horovod processes. The input
-    tensor is not modified.
-
-    This acts as a thin wrapper around an autograd function.  If your input
-    tensor requires gradients, then callings this function will allow gradients
-    to be computed and backpropagated.
-
-    Returns:
-        1) A tensor containing the gathered tensor data from all workers.
-        2) If `splits` has been provided: A tensor of integers in rank order
-           describing how many elements in the output tensor have been received
-           from each worker.
-    """
-    return HorovodAlltoall.apply(tensor, splits, name, process_set)
+    return _Alltoall.apply(splits, name, process_set, tensor)
 
 
 # ---- reducescatter ------------------------------------------------------------------------
@@ -851,137 +723,63 @@ def _reducescatter_async(tensors, names, op, prescale_factor, postscale_factor, 
                    postscale=float(postscale_factor))
 
 
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
-                        prescale_factor=1.0, postscale_factor=1.0) -> int:
-    """
-    A function that performs asynchronous reduction of the input tensor over all the
-    Horovod processes, then scatters the results across all Horovod processes. The
-    input tensor is not modified.
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start reducing ``tensor`` over ``process_set`` with ``op``, each member keeping one
+    block of rows of the result; returns a handle.
 
-    The reduction operation is keyed by the name. If name is not provided, an incremented
-    auto-generated name is used. The tensor type and shape must be the same on all
-    Horovod processes for a given name. The reduction will not start until all processes
-    are ready to send and receive the tensor.
-
-    The input tensor is split along the first dimension; when that dimension does not
-    divide evenly, the lowest ranks get one extra slice each.
-
-    Returns:
-        A handle to the reducescatter operation that can be used with `poll()` or
-        `synchronize()`.
+    Blocks follow rank order along dimension 0; when the rows do not divide evenly, the
+    lowest ranks get one more row each.  All members pass the same shape and dtype.
+    ``tensor`` is left alone: ``synchronize`` returns this rank's block as a new tensor.
     """
     return _reducescatter_async([tensor], _name("reducescatter", name), op, prescale_factor,
                                 postscale_factor, process_set, lambda outs: outs[0])
 
 
-class HorovodReducescatter(torch.autograd.Function):
-    """An autograd function that performs reducescatter on a tensor."""
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
+                  compression: Type[Compressor] = Compression.none, op: int = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Blocking :func:`reducescatter_async`, with ``compression`` as in :func:`allreduce`.
 
-    @staticmethod
-    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
-        ctx.op, ctx.process_set = op, process_set
-        ctx.scale = prescale_factor * postscale_factor
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
-                                               postscale_factor))
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        grad = _reducescatter_grad_scale(grad_output, ctx.op, ctx.scale, ctx.process_set)
-        return allgather(grad, process_set=ctx.process_set), None, None, None, None, None
-
-
-def _reducescatter_grad_scale(grad: torch.Tensor, op: int, scale: float,
-                              process_set: ProcessSet) -> torch.Tensor:
-    """Horovod's scaling of a reducescatter gradient before it is gathered: times the set size
-    for Sum, unchanged for Average, then times the pre- and postscale factors."""
-    if op == Sum:
-        grad = grad * process_set.size()
-    return grad * scale if scale != 1.0 else grad
-
-
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
-                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    Differentiable: the gradient is the allgather of the incoming gradients, multiplied by
+    the set size for Sum and by both scale factors.
     """
-    A function that performs reduction of the input tensor over all the Horovod
-    processes, then scatters the results across all Horovod processes. The input tensor
-    is not modified.
-
-    This acts as a thin wrapper around an autograd function.  If your input
-    tensor requires gradients, then callings this function will allow gradients
-    to be computed and backpropagated.
-
-    Returns:
-        A tensor of the same rank and type as `tensor`, summed across all processes.
-        The shape is identical to the input shape, except for the first dimension,
-        which will be divided across the different Horovod processes.
-    """
-    tensor_compressed, ctx = compression.compress(tensor)
-    reduced = HorovodReducescatter.apply(tensor_compressed, name, op, process_set,
-                                         prescale_factor, postscale_factor)
-    return compression.decompress(reduced, ctx)
+    opts = {"op": op, "process_set": process_set, "prescale_factor": prescale_factor,
+            "postscale_factor": postscale_factor}
+    return _compressed(compression, [tensor],
+                       lambda wire: [_Reducescatter.apply(False, name, opts, *wire)])[0]
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0) -> int:
-    """
-    A function that performs asynchronous reduction of a list of input tensors over all
-    the Horovod processes, then scatters the results across all Horovod processes.
-
-    Returns:
-        A handle to the group reducescatter operation that can be used with `poll()` or
-        `synchronize()`.
-    """
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                                op: int = Average, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """:func:`reducescatter_async` of several tensors as one operation, matched across ranks
+    by list position; ``synchronize`` returns a tuple in list order."""
     return _reducescatter_async(list(tensors),
                                 _group_names("grouped_reducescatter", name, len(tensors)), op,
                                 prescale_factor, postscale_factor, process_set, tuple)
 
 
-class HorovodGroupedReducescatter(torch.autograd.Function):
-    """An autograd function that performs reducescatter on a list of tensors."""
-
-    @staticmethod
-    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
-        ctx.op, ctx.process_set = op, process_set
-        ctx.scale = prescale_factor * postscale_factor
-        return synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set,
-                                                       prescale_factor, postscale_factor))
-
-    @staticmethod
-    def backward(ctx, *grad_output):
-        grads = [_reducescatter_grad_scale(g, ctx.op, ctx.scale, ctx.process_set)
-                 for g in grad_output]
-        return (None, None, None, None, None,
-                *grouped_allgather(grads, process_set=ctx.process_set))
-
-
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0,
-                          postscale_factor=1.0):
-    """
-    A function that performs reduction of a list of input tensors over all the Horovod
-    processes, then scatters the results across all Horovod processes.
-
-    Returns:
-        A list containing tensors of the same rank and type as in `tensors`. For each
-        tensor the shape is identical to the input shape, except for the first
-        dimension, which will be divided across the different Horovod processes.
-    """
-    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
-    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor,
-                                             postscale_factor, *compressed)
-    return [compression.decompress(t, c) for t, c in zip(outs, ctxs)]
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
+                          compression: Type[Compressor] = Compression.none, op: int = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """Blocking, differentiable :func:`grouped_reducescatter_async` (gradient as in
+    :func:`reducescatter`); returns a list in input order."""
+    opts = {"op": op, "process_set": process_set, "prescale_factor": prescale_factor,
+            "postscale_factor": postscale_factor}
+    return _compressed(compression, tensors,
+                       lambda wire: _Reducescatter.apply(True, name, opts, *wire))
 
 
 # ---- control ------------------------------------------------------------------------------
 def poll(handle: int) -> bool:
-    """
-    Polls an allreduce, allgather, alltoall, broadcast, or reducescatter handle to determine
-    whether underlying asynchronous operation has completed. After `poll()` returns `True`,
-    `synchronize()` will return without blocking.
-
-    Returns:
-        A flag indicating whether the operation has completed.
-    """
+    """True once the operation behind ``handle`` is done (for CUDA tensors, on the device
+    too), so that :func:`synchronize` will not block."""
     engine = current.engine()
     if handle not in _gpu_handles:
         return engine.poll(handle)
@@ -991,32 +789,23 @@ def poll(handle: int) -> bool:
         all(_cuda.event_done(engine.handle_event(h)) for h in handles)
 
 
-def synchronize(handle: int):
-    """
-    Synchronizes an asynchronous allreduce, allgather, alltoall, broadcast, or reducescatter
-    operation until it's completed. Returns the result of the operation.
-
-    Returns:
-        A single output tensor of the operation or a tuple of multiple output tensors.
-    """
+def synchronize(handle: int) -> Any:
+    """Wait for the operation behind ``handle`` and return its result: a tensor, or a tuple
+    for grouped operations and alltoall.  A handle can be synchronized once: after that, or
+    for a handle this process never issued, it raises ``ValueError``, as :func:`poll` does."""
     finish = _handle_map.pop(handle, None)
     _gpu_handles.pop(handle, None)
     if finish is None:
-        return None
+        raise unknown_handle(handle)
     return finish()
 
 
 def join(device: int = -1) -> int:
-    """A function that indicates that the rank finished processing data.
+    """Say that this rank has no more data, and wait until every rank has said so.
 
-    All ranks that did not call join() continue to process allreduce operations.
-    This function blocks Python thread until all ranks join.
-
-    Arguments:
-        device: An id of the device to create temprorary zero tensors (default -1, CPU)
-
-    Returns:
-        Id of the rank that joined last.
+    Meanwhile the collectives the other ranks still issue go ahead, with this rank taking
+    part with zeros.  ``device`` is the GPU those zeros are made on; -1 picks the GPU this
+    rank used last, or the CPU.  Returns the rank that joined last.
     """
     if device is None or device < 0:
         device = _cuda.used_device()
@@ -1028,16 +817,9 @@ def join(device: int = -1) -> int:
     return int(current.engine().run_control(0, OpType.JOIN, "join"))
 
 
-def barrier(process_set=global_process_set) -> None:
-    """
-    A function that acts as a simple sychronization point for ranks specified
-    in the given process group(default to global group). Ranks that reach
-    this function call will stall until all other ranks have reached.
-
-    Arguments:
-        process_set: Process set object to limit this operation to a subset of
-                     Horovod processes. Default is the global process set.
-    """
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every member of ``process_set`` (all ranks by default) has called
+    barrier."""
     engine = current.engine()
     _set_rank(engine, process_set)  # raises for a set this rank is not in
     engine.run_control(process_set.process_set_id, OpType.BARRIER, "barrier")

@@ -114,7 +114,13 @@ def test_allreduce_inplace_and_async_variants():
     while not hvd.poll(h):
         time.sleep(0.001)
     assert_same(hvd.synchronize(h), expected)
-    assert hvd.synchronize(123456789) is None  # unknown handle, as Horovod
+    # A consumed or unknown handle is an error, the same one poll() raises.
+    for consumed_or_unknown in (h, 123456789):
+        with pytest.raises(ValueError, match=f"Handle {consumed_or_unknown} was not created "
+                                             "or has been cleared"):
+            hvd.synchronize(consumed_or_unknown)
+        with pytest.raises(ValueError, match="was not created or has been cleared"):
+            hvd.poll(consumed_or_unknown)
 
 
 def test_allreduce_inplace_noncontiguous():
