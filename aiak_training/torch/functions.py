@@ -1,232 +1,201 @@
-"""Model and optimizer state helpers (the ``horovod.torch.functions`` API)."""
-import collections
+"""Bringing every rank to the same starting point: model parameters, optimizer state and
+arbitrary picklable objects (the ``horovod.torch.functions`` API).
+
+Objects travel as cloudpickle bytes in a single allgather of uint8 tensors: contributions may
+differ in length, so no rank has to learn a byte count in a separate step first.
+"""
+import functools
 import io
-from typing import Any, List, Optional
+from collections import Counter
+from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
 import cloudpickle
 import torch
 
-from aiak_training.runtime.process_sets import global_process_set
-from aiak_training.torch.mpi_ops import (allgather, broadcast_, broadcast_async_, rank, size,
+from aiak_training.common import horovod_strings as hs
+from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.torch.mpi_ops import (allgather_async, broadcast_async_, rank, size,
                                          synchronize)
 
 
+# ---- parameters -----------------------------------------------------------------------------
+def _as_named(params: Any) -> List[Tuple[Optional[str], Any]]:
+    """``(name, value)`` pairs in an order every rank agrees on: a mapping by sorted key, a
+    list as given (bare tensors get no name)."""
+    if isinstance(params, dict):
+        return [(key, params[key]) for key in sorted(params)]
+    if isinstance(params, list):
+        return [entry if isinstance(entry, tuple) else (None, entry) for entry in params]
+    raise ValueError(hs.INVALID_PARAMS_TYPE.format(type(params)))
+
+
 def broadcast_parameters(params, root_rank: int) -> None:
-    """
-    Broadcasts the parameters from root rank to all other processes.
-    Typical usage is to broadcast the ``model.state_dict()``,
-    ``model.named_parameters()``, or ``model.parameters()``.
+    """Overwrite tensors in place with ``root_rank``'s values.
 
     Arguments:
-        params: One of the following:
-            - list of parameters to broadcast
-            - dict of parameters to broadcast
-        root_rank: The rank of the process from which parameters will be
-                   broadcasted to all other processes.
-    """
-    if isinstance(params, dict):
-        params = sorted(params.items())
-    elif isinstance(params, list):
-        # support both named_parameters() and regular parameters()
-        params = [p if isinstance(p, tuple) else (None, p) for p in params]
-    else:
-        raise ValueError("invalid params of type: %s" % type(params))
+        params: a dict of tensors (``model.state_dict()``) or a list of tensors or of
+            ``(name, tensor)`` pairs (``list(model.named_parameters())``).  Entries that are
+            not tensors are skipped; a generator is rejected with ``ValueError``.
+        root_rank: global rank whose values every rank ends up with.
 
-    handles = []
-    for name, p in params:
-        if p is None or not torch.is_tensor(p):
-            continue
-        handles.append(broadcast_async_(p, root_rank, name))
+    All broadcasts are started before the first is waited for.
+    """
+    handles = [broadcast_async_(value, root_rank, name)
+               for name, value in _as_named(params) if torch.is_tensor(value)]
     for handle in handles:
         synchronize(handle)
 
 
+# ---- optimizer state ------------------------------------------------------------------------
+def _create_state(optimizer) -> None:
+    """Give a fresh optimizer its per-parameter state by stepping once on zero gradients."""
+    sparse_grads = isinstance(optimizer, torch.optim.SparseAdam)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not param.requires_grad:
+                continue
+            zeros = param.data.new_zeros(param.size())
+            param.grad = zeros.to_sparse() if sparse_grads else zeros
+    if getattr(optimizer, "_aiak_distributed", False):
+        # The wrapper's step() would allreduce all these zero gradients, a collective that
+        # only adds traffic (and hangs unless every member steps); creating state needs
+        # just the wrapped class's step().
+        super(type(optimizer), optimizer).step()
+    else:
+        optimizer.step()
+
+
+def _set_item(container: Dict, key: Hashable, value: Any) -> None:
+    container[key] = value
+
+
+def _partition_state(optimizer, state_dict: Dict
+                     ) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[Tuple, Any],
+                                Dict[Tuple, Callable[[Any], None]]]:
+    """Split an optimizer's state into tensors, which are broadcast in place, and plain values
+    (hyperparameters such as ``lr`` or ``betas``, and non-tensor per-parameter entries),
+    which travel together as one object.  Each plain value comes with the setter that
+    stores the root's value back where it was read from."""
+    tensors: List[Tuple[str, torch.Tensor]] = []
+    values: Dict[Tuple, Any] = {}
+    setters: Dict[Tuple, Callable[[Any], None]] = {}
+    per_entry = Counter()
+    for index, group in enumerate(state_dict["param_groups"]):
+        live_group = optimizer.param_groups[index]
+        for option, value in group.items():
+            if option == "params":
+                continue
+            values[("group", index, option)] = value
+            setters[("group", index, option)] = functools.partial(_set_item, live_group, option)
+        for pid in group["params"]:
+            # Parameters that never had a gradient (requires_grad=False) have no state.
+            entries = state_dict["state"].get(pid)
+            if entries is None:
+                continue
+            for entry, value in entries.items():
+                if torch.is_tensor(value):
+                    # Named by entry and how often that entry was seen: identical on all ranks.
+                    per_entry[entry] += 1
+                    tensors.append((f"{entry}.{per_entry[entry]}", value))
+                else:
+                    values[("state", pid, entry)] = value
+                    setters[("state", pid, entry)] = functools.partial(_set_item, entries,
+                                                                       entry)
+    return tensors, values, setters
+
+
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
-    """
-    Broadcasts an optimizer state from root rank to all other processes.
+    """Make every rank's optimizer state equal to ``root_rank``'s.
+
+    Tensor state (momentum buffers, Adam moments, ...) is overwritten in place; every other
+    value, including each param group's options (``lr``, ``betas`` tuples, ...), is replaced
+    by the root's copy, types preserved.  An optimizer that has no state yet is stepped once
+    on zero gradients first, so that all ranks hold the same entries; parameters with
+    ``requires_grad=False`` are left out.  Works on a plain optimizer or a
+    ``DistributedOptimizer``.
 
     Arguments:
-        optimizer: An optimizer.
-        root_rank: The rank of the process from which the optimizer will be
-                   broadcasted to all other processes.
-        model: (Optional) model, used to identify sparse parameters. Accepted for
-               compatibility and not needed: state is materialized from dense zero
-               gradients (sparse ones for SparseAdam). Horovod uses it to give a sparse
-               embedding's parameters sparse zero gradients under SGD; with momentum that
-               makes a sparse momentum buffer, which a broadcast cannot send.
+        optimizer: the optimizer; ``torch.optim.LBFGS`` is refused with ``ValueError``.
+        root_rank: global rank whose state is copied.
+        model: accepted for compatibility and ignored.  Horovod uses it to find sparse
+            embeddings and hands them sparse zero gradients for the initial step; here that
+            step uses dense zero gradients (sparse ones only for ``SparseAdam``), since SGD
+            momentum on a sparse gradient would leave a sparse buffer, which cannot be
+            broadcast.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+        raise ValueError(hs.LBFGS_STATE)
     state_dict = optimizer.state_dict()
-
-    # Newly created optimizers will not have their state initialized, so
-    # do that initialization here.
-    if len(state_dict["state"]) == 0:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    p.grad = p.data.new(p.size()).zero_()
-                    if isinstance(optimizer, torch.optim.SparseAdam):
-                        p.grad = p.grad.to_sparse()
-        # This function accepts a torch.optim.Optimizer or a DistributedOptimizer
-        # wrapped around a torch optimizer. Calling step() with a DistributedOptimizer
-        # forces allreduce on all model parameters, which will result in deadlock
-        # unless every rank calls step(). Therefore, to finish state initialization
-        # only call optimizer.step() with a torch.optim.Optimizer.
-        if getattr(optimizer, "_aiak_distributed", False):
-            super(optimizer.__class__, optimizer).step()
-        else:
-            optimizer.step()
+    if not state_dict["state"]:
+        _create_state(optimizer)
         state_dict = optimizer.state_dict()
+        if not state_dict["state"]:
+            return  # a stateless optimizer (e.g. SGD without momentum)
 
-    # If the state_dict is still empty after initialization, then
-    # the optimizer is stateless, and there is nothing to broadcast.
-    # Furthermore, attempting to access the state dict would result in
-    # an error.
-    if len(state_dict["state"]) == 0:
-        return
+    tensors, values, setters = _partition_state(optimizer, state_dict)
+    broadcast_parameters(tensors, root_rank)
+    for key, value in broadcast_object(values, root_rank).items():
+        setters[key](value)
 
-    params = []
-    scalars = {}
-    callbacks = {}
-    occurrences = collections.defaultdict(int)
 
-    # Some optimizer parameters may be represented as scalars instead of
-    # tensors.  In such cases, we place the scalars into a single dict,
-    # then pickle and broadcast with broadcast_object (under the assumption
-    # that there are not many scalars, and so the overhead of pickling will
-    # be relatively low). Because broadcast_object is performed out-of-place,
-    # we then use a callback to assign the new value to the correct element
-    # of the optimizer state.
-    def _create_state_callback(pid, name):
-        def _assign_state(v):
-            state_dict["state"][pid][name] = v
-        return _assign_state
+# ---- Python objects -------------------------------------------------------------------------
+def _pickled(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(cloudpickle.dumps(obj)), dtype=torch.uint8)
 
-    def _create_option_callback(index, option_key):
-        def _assign_option(v):
-            optimizer.param_groups[index][option_key] = v
-        return _assign_option
 
-    # Param groups are an ordered list, normally there is only one per model,
-    # but users can add additional param groups for example to train
-    # previously frozen layers
-    for index, group in enumerate(state_dict["param_groups"]):
-        # Broadcast options like learning rate
-        for option_key, option_value in group.items():
-            if option_key == "params":
-                continue
-            # Options like the learning rate are scalar, and need to be broadcast separately
-            key = "%s.%d" % (option_key, index)
-            scalars[key] = option_value
-            callbacks[key] = _create_option_callback(index, option_key)
-
-        # The params list here is ordered by the layers in the model
-        for pid in group["params"]:
-            if pid not in state_dict["state"]:
-                # The param has not set requires_grad, so skip broadcast
-                continue
-            param_state = state_dict["state"][pid]
-            for name, p in param_state.items():
-                # Some parameter names may appear more than once, in which
-                # case we ensure they have a unique identifier defined by
-                # their order
-                occurrences[name] += 1
-                key = "%s.%d" % (str(name), occurrences[name])
-                if not torch.is_tensor(p):
-                    # Wrap in a tensor and keep the original type
-                    scalars[key] = p
-                    callbacks[key] = _create_state_callback(pid, name)
-                else:
-                    params.append((key, p))
-
-    # Synchronized broadcast of all tensor parameters
-    broadcast_parameters(params, root_rank)
-
-    # Broadcast and cleanup for non-tensor parameters
-    scalars = broadcast_object(scalars, root_rank)
-    for key, p in scalars.items():
-        callbacks[key](p)
+def _gather_bytes(payload: torch.Tensor, name: str, process_set: ProcessSet) -> bytes:
+    """Every member's ``payload`` (any length, empty too), concatenated in rank order."""
+    gathered = synchronize(allgather_async(payload, name=name, process_set=process_set))
+    return gathered.numpy().tobytes()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
-                     process_set=global_process_set) -> Any:
-    """
-    Serializes and broadcasts an object from root rank to all other processes.
-    Typical usage is to broadcast the `optimizer.state_dict()`, for example:
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Send a picklable object from ``root_rank`` to every member of ``process_set``.
 
-    .. code-block:: python
+    For example, to start every rank from rank 0's optimizer::
 
-        state_dict = broadcast_object(optimizer.state_dict(), 0)
-        if hvd.rank() > 0:
-            optimizer.load_state_dict(state_dict)
+        state = hvd.broadcast_object(optimizer.state_dict(), root_rank=0)
+        optimizer.load_state_dict(state)
 
     Arguments:
-        obj: An object capable of being serialized without losing any context.
-        root_rank: The rank of the process from which parameters will be
-                   broadcasted to all other processes.
-        name: Optional name to use during broadcast, will default to the class
-              type.
-        process_set: Process set object to limit this operation to a subset of
-                     Horovod processes. Default is the global process set.
+        obj: the object to send (cloudpickle is used, so lambdas and local classes work);
+            only the root's value matters.
+        root_rank: global rank that sends; it must belong to ``process_set``.
+        name: name of the operation; by default the name of ``type(obj)``, so all ranks
+            must pass objects of the same type or give a name.
+        process_set: the ranks taking part; all of them by default.
 
     Returns:
-        The object that was broadcast from the `root_rank`.
+        On the root, ``obj`` itself; elsewhere an unpickled copy of the root's ``obj``.
     """
+    is_root = rank() == root_rank
     if name is None:
         name = type(obj).__name__
-
-    if rank() == root_rank:
-        b = io.BytesIO()
-        cloudpickle.dump(obj, b)
-        t = torch.ByteTensor(bytearray(b.getvalue()))
-        sz = torch.IntTensor([t.shape[0]])
-        broadcast_(sz, root_rank, name + ".sz", process_set)
-    else:
-        sz = torch.IntTensor([0])
-        broadcast_(sz, root_rank, name + ".sz", process_set)
-        t = torch.ByteTensor(sz.tolist()[0])
-
-    broadcast_(t, root_rank, name + ".t", process_set)
-
-    if rank() != root_rank:
-        buf = io.BytesIO(t.numpy().tobytes())
-        obj = cloudpickle.load(buf)
-
-    return obj
+    # Only the root contributes bytes, so the gathered buffer is exactly its pickle.
+    payload = _pickled(obj) if is_root else torch.empty(0, dtype=torch.uint8)
+    data = _gather_bytes(payload, f"broadcast_object.{name}", process_set)
+    if not data:
+        # Every member got nothing, so all of them raise here alike.
+        raise ValueError(f"broadcast_object: root_rank {root_rank} is not a member of "
+                         f"{process_set}.")
+    return obj if is_root else cloudpickle.loads(data)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
-    """
-    Serializes and allgathers an object from all other processes.
+    """Collect a picklable object from every rank.
 
     Arguments:
-        obj: An object capable of being serialized without losing any context.
-        name: Optional name to use during allgather, will default to the class
-              type.
+        obj: this rank's object (pickled with cloudpickle).
+        name: name of the operation; by default the name of ``type(obj)``.
 
     Returns:
-        The list of objects that were allgathered across all ranks.
+        A list of ``hvd.size()`` objects in rank order (unpickled copies, this rank's too).
     """
     if name is None:
         name = type(obj).__name__
-
-    def load(byte_array):
-        buf = io.BytesIO(byte_array.tobytes())
-        return cloudpickle.load(buf)
-
-    b = io.BytesIO()
-    cloudpickle.dump(obj, b)
-
-    t = torch.ByteTensor(bytearray(b.getvalue()))
-    sz = torch.IntTensor([t.shape[0]])
-
-    sizes = allgather(sz, name=name + ".sz").numpy()
-    gathered = allgather(t, name=name + ".t").numpy()
-
-    def select(i):
-        start = sum(sizes[:i])
-        end = start + sizes[i]
-        return gathered[start:end]
-
-    return [load(select(i)) for i in range(size())]
+    stream = io.BytesIO(_gather_bytes(_pickled(obj), f"allgather_object.{name}",
+                                      global_process_set))
+    # A pickle ends with its own STOP opcode, so the concatenated pickles are read back one
+    # after the other from the same stream.
+    return [cloudpickle.load(stream) for _ in range(size())]

@@ -571,3 +571,31 @@ def test_timeline(tmp_path_factory):
         for marker in ("allreduce.test_allreduce", "start_time_since_epoch_in_micros",
                        "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"):
             assert marker in text, marker
+
+
+def test_broadcast_object_process_set():
+    n, me = hvd.size(), hvd.rank()
+    if n < 2:
+        pytest.skip("needs two ranks")
+    members = [r for r in range(n) if r % 2 == 1]
+    odds = hvd.add_process_set(members)
+    try:
+        if me in members:
+            root = members[-1]
+            obj = (me, [me] * me, {"scale": lambda v: v * (me + 1)})
+            got = hvd.broadcast_object(obj, root_rank=root, name="odd_obj", process_set=odds)
+            if me == root:
+                assert got is obj
+            assert type(got) is tuple and got[:2] == (root, [root] * root)
+            assert got[2]["scale"](2) == 2 * (root + 1)
+            with pytest.raises(ValueError):
+                hvd.broadcast_object(me, root_rank=0, process_set=odds)
+        else:
+            with pytest.raises(ValueError):
+                hvd.broadcast_object(me, root_rank=1, process_set=odds)
+        # Empty objects and None survive too; lengths vary by rank in allgather_object.
+        assert hvd.broadcast_object(None if me else b"", root_rank=0, name="empty") == b""
+        assert hvd.allgather_object("x" * me * 100) == ["x" * r * 100 for r in range(n)]
+    finally:
+        hvd.barrier()
+        assert hvd.remove_process_set(odds)

@@ -278,3 +278,68 @@ def test_sync_batch_norm_eval_without_running_stats_uses_synchronized_batch_stat
     assert sbn.running_mean is None
     # As in Horovod: batch statistics, taken over every rank's batch, also in eval mode.
     assert torch.allclose(sbn(shard(x_all)), shard(bn(x_all)), atol=1e-10)
+
+
+def _adam_with_rank_options():
+    model = make_model(seed=hvd.rank())
+    model[2].bias.requires_grad_(False)
+    me = hvd.rank()
+    groups = [{"params": model[0].parameters(), "lr": 0.5 + me, "weight_decay": 0.1 * me},
+              {"params": model[2].parameters(), "betas": (0.5 + 0.1 * me, 0.9 - 0.01 * me)}]
+    return model, torch.optim.Adam(groups, lr=0.01 * (me + 1), betas=(0.8, 0.95 + 0.001 * me))
+
+
+def test_broadcast_optimizer_state_fresh_optimizer_gets_root_options_and_state():
+    root = hvd.size() - 1
+    model, opt = _adam_with_rank_options()
+    hvd.broadcast_optimizer_state(opt, root_rank=root)
+    g0, g1 = opt.param_groups
+    assert (g0["lr"], g0["betas"], g0["weight_decay"]) == (0.5 + root, (0.8, 0.95 + 0.001 * root),
+                                                          0.1 * root)
+    assert g1["betas"] == (0.5 + 0.1 * root, 0.9 - 0.01 * root) and type(g1["betas"]) is tuple
+    assert (g1["lr"], g1["weight_decay"]) == (0.01 * (root + 1), 0)
+    # One zero-gradient step created the state; the frozen bias has none.
+    state = opt.state_dict()["state"]
+    assert sorted(state) == [0, 1, 2]
+    ref = hvd.allgather_object(state)[root]
+    for pid, entries in state.items():
+        assert sorted(entries) == ["exp_avg", "exp_avg_sq", "step"]
+        assert float(entries["step"]) == 1.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(entries[key], ref[pid][key]), (pid, key)
+    # Without weight decay (group 1) a zero gradient leaves zero moments.
+    assert not state[2]["exp_avg"].any() and not state[2]["exp_avg_sq"].any()
+    assert all(not p.grad.any() for p in model.parameters() if p.requires_grad)
+
+
+def test_broadcast_optimizer_state_copies_root_state_exactly():
+    root = 0
+    model, opt = _adam_with_rank_options()
+    for step in range(hvd.rank() + 1):  # different state (and step counts) on every rank
+        opt.zero_grad()
+        x, y = batches(step)
+        loss_fn(model, shard(x), shard(y)).backward()
+        opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=root)
+    mine = opt.state_dict()
+    everyone = hvd.allgather_object(mine)
+    ref = everyone[root]
+    assert mine["param_groups"] == ref["param_groups"]
+    assert sorted(mine["state"]) == sorted(ref["state"]) == [0, 1, 2]
+    for pid, entries in ref["state"].items():
+        assert float(entries["step"]) == 1.0
+        for key, value in entries.items():
+            assert torch.equal(mine["state"][pid][key], value), (pid, key)
+
+
+@pytest.mark.parametrize("momentum", [None, 0.3])
+def test_sync_batch_norm_running_stats_over_steps(momentum):
+    sbn = hvd.SyncBatchNorm(3, momentum=momentum, affine=False)
+    bn = torch.nn.BatchNorm2d(3, momentum=momentum, affine=False)
+    for step in range(3):
+        g = torch.Generator().manual_seed(40 + step)
+        x_all = torch.randn(hvd.size() * 2, 3, 2, 2, generator=g) * (step + 1) + step
+        assert torch.allclose(sbn(shard(x_all)), shard(bn(x_all)), atol=1e-10)
+    assert int(sbn.num_batches_tracked) == 3
+    assert torch.allclose(sbn.running_mean, bn.running_mean, atol=1e-12)
+    assert torch.allclose(sbn.running_var, bn.running_var, atol=1e-12)
