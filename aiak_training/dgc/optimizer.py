@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from aiak_training.common import horovod_strings as hs
 from aiak_training.runtime.process_sets import global_process_set
 from aiak_training.dgc import _kernels
 from aiak_training.dgc.exchange import PendingExchange, sparse_allgather_async
@@ -131,10 +132,7 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
             # Compressed tensors are exchanged together, in synchronize(); with local clipping
             # the dense ones wait there too, since the clip factor needs the whole gradient.
             if self._allreduce_delay[p] <= 0:
-                raise AssertionError(
-                    "Gradients were computed more than backward_passes_per_step times before "
-                    "call to step(). Increase backward_passes_per_step to accumulate "
-                    "gradients locally.")
+                raise AssertionError(hs.TOO_MANY_BACKWARD_PASSES)
             assert not p.grad.requires_grad
             self._allreduce_delay[p] -= 1
             self._dgc_pending.add(p)
@@ -358,9 +356,7 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
 
     def zero_grad(self, *args, **kwargs):
         if self._dgc_pending:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
-                                 "but before optimizer.step() or optimizer.synchronize(). "
-                                 "This is prohibited as it can cause a race condition.")
+            raise AssertionError(hs.ZERO_GRAD_RACE)
         return _DistributedOptimizer.zero_grad(self, *args, **kwargs)
 
     # ---- checkpoints --------------------------------------------------------------------

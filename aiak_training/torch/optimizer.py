@@ -4,14 +4,20 @@ Hooks fire as each gradient is accumulated and start an asynchronous in-place al
 ``step()`` waits for them (``synchronize()``) and then runs the wrapped optimizer.  With
 ``overlap_update`` on, ``step()`` instead updates each bucket of parameters as soon as its
 reduction completes, while the others are still being reduced (see ``overlap.py``).
+
+In-flight reductions live in ``_handles``: a parameter, or a tuple of parameters for an
+explicit group, maps to ``(handle, ctx)``.  A handle of None records a backward pass that did
+not start a reduction yet (more passes to accumulate, or a group still incomplete).
 """
+import itertools
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from aiak_training.common import horovod_strings as hs
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.torch import overlap as _overlap
 from aiak_training.torch.compression import Compression
@@ -19,91 +25,114 @@ from aiak_training.torch.mpi_ops import (Adasum, Average, allreduce_async_,
                                          grouped_allreduce_async_, size,
                                          sparse_allreduce_async, synchronize)
 
+NamedParameters = Iterable[Tuple[str, torch.Tensor]]
+Groups = Union[int, List[List[torch.Tensor]]]
 
-def _split_list(items: List, n: int) -> List[List]:
-    """Split ``items`` into ``n`` contiguous parts whose lengths differ by at most one."""
-    k, m = divmod(len(items), n)
-    return [items[i * k + min(i, m):(i + 1) * k + min(i + 1, m)] for i in range(n)]
+
+def _even_chunks(items: List, n: int) -> List[List]:
+    """``items`` cut into ``n`` consecutive runs; the first ``len(items) % n`` are one longer."""
+    base, longer = divmod(len(items), n)
+    chunks, start = [], 0
+    for i in range(n):
+        stop = start + base + (i < longer)
+        chunks.append(items[start:stop])
+        start = stop
+    return chunks
+
+
+def _check_groups(groups: Optional[Groups]) -> None:
+    if groups is None:
+        return
+    if not isinstance(groups, list):
+        if not groups > 0:
+            raise ValueError(hs.GROUPS_TYPE)
+        return
+    seen = set()
+    for tensor in itertools.chain.from_iterable(groups):
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(hs.GROUPS_NOT_TENSORS)
+        if id(tensor) in seen:
+            raise ValueError(hs.GROUPS_REPEATED_PARAMETER)
+        seen.add(id(tensor))
+
+
+def _zeros_if_missing(p: torch.Tensor) -> None:
+    # A rank whose forward skipped this parameter still has to take part in the collective
+    # under its name (other ranks may have a gradient); zeros leave their sum unchanged.
+    if p.grad is None:
+        p.grad = p.data.new_zeros(p.size())
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods of the class ``DistributedOptimizer`` builds on top of the user's optimizer
+    class.  They reach the wrapped optimizer through ``super(type(self), self)``."""
+
     _aiak_distributed = True
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
                  op=Average, gradient_predivide_factor=1.0, groups=None,
                  sparse_as_dense=False, process_set=global_process_set,
                  overlap_update: Optional[bool] = None):
-        super(self.__class__, self).__init__(params)
-        self._compression = compression
-
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
-            named_parameters = [(f"allreduce.noname.{i}.{j}", v)
-                                for i, param_group in enumerate(self.param_groups)
-                                for j, v in enumerate(param_group["params"])]
-        # make sure that named_parameters are tuples
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                             "usually produced by model.named_parameters().")
-
-        dups = _DistributedOptimizer.find_duplicates([k for k, _ in named_parameters])
-        if len(dups) > 0:
-            raise ValueError("Parameter names in named_parameters must be unique. "
-                             "Found duplicates: %s" % ", ".join(dups))
-
-        all_param_ids = {id(v) for param_group in self.param_groups
-                         for v in param_group["params"]}
-        named_param_ids = {id(v) for k, v in named_parameters}
-        unnamed_param_ids = all_param_ids - named_param_ids
-        if len(unnamed_param_ids):
-            raise ValueError("named_parameters was specified, but one or more model "
-                             "parameters were not named. Python object ids: "
-                             "%s" % ", ".join(str(id) for id in unnamed_param_ids))
-
-        self._parameter_names = {v: k for k, v in sorted(named_parameters)}
+        super(type(self), self).__init__(params)
+        named = sorted(self._checked_names(named_parameters), key=lambda pair: pair[0])
+        self._parameter_names = {p: name for name, p in named}
+        # Counts down the passes still to accumulate before a parameter's gradient is sent.
+        self._allreduce_delay = {p: backward_passes_per_step for _, p in named}
         self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {v: self.backward_passes_per_step
-                                 for _, v in sorted(named_parameters)}
+        self._compression = compression
         self.op = op
-        self.gradient_predivide_factor = gradient_predivide_factor
-        self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
+        self.sparse_as_dense = sparse_as_dense
+        self.gradient_predivide_factor = gradient_predivide_factor
 
+        # _synchronized: synchronize() ran since the last step(); _should_synchronize: False
+        # inside skip_synchronize().
+        self._should_synchronize = True
+        self._synchronized = False
         self._handles: Dict = {}
         self._grad_accs: List = []
         self._requires_update = set()
-        self._synchronized = False
-        self._should_synchronize = True
 
-        if groups is not None:
-            if not (isinstance(groups, list) or groups > 0):
-                raise ValueError("groups should be a non-negative integer or a list of list of "
-                                 "torch.Tensor.")
-            if isinstance(groups, list):
-                grouped_parameter_ids = set()
-                for l in groups:
-                    for p in l:
-                        if not isinstance(p, torch.Tensor):
-                            raise ValueError("groups must consist of torch.Tensor.")
-                        if id(p) in grouped_parameter_ids:
-                            raise ValueError("A parameter can only appear once in groups.")
-                        grouped_parameter_ids.add(id(p))
+        _check_groups(groups)
         self._groups = groups
         self._p_to_group: Dict = {}
         self._group_counts: Dict = {}
 
-        if self.process_set.included() and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
+        # One rank has nothing to reduce, except under elastic training, where more may join.
+        multi_rank = size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"
+        if self.process_set.included() and multi_rank:
             self._register_hooks()
 
         # Overlapped update (None: off).  Decided once here; each step may still fall back.
         self._overlap: Optional[_overlap.Overlap] = None
         if _overlap.requested(overlap_update):
-            reason, check = _overlap.Overlap.static_reason(self)
+            reason, check = _overlap.Overlap.static_reason(self, _DistributedOptimizer)
             if reason is None:
                 self._overlap = _overlap.Overlap(check)
             else:
                 _overlap.log_fallback_once(set(), reason)
+
+    def _checked_names(self, named_parameters: Optional[NamedParameters]
+                       ) -> List[Tuple[str, torch.Tensor]]:
+        """``named_parameters`` as a list, validated; generated names when it is None (they
+        only label the reductions, and are the same on every rank)."""
+        if named_parameters is None:
+            pairs = [(f"allreduce.noname.{gi}.{pi}", p)
+                     for gi, group in enumerate(self.param_groups)
+                     for pi, p in enumerate(group["params"])]
+        else:
+            pairs = list(named_parameters)
+        if not all(isinstance(pair, tuple) for pair in pairs):
+            raise ValueError(hs.NAMED_PARAMETERS_NOT_TUPLES)
+        repeated = _DistributedOptimizer.find_duplicates(name for name, _ in pairs)
+        if repeated:
+            raise ValueError(hs.NAMED_PARAMETERS_DUPLICATES.format(", ".join(repeated)))
+        every_id = {id(p) for group in self.param_groups for p in group["params"]}
+        nameless = every_id - {id(p) for _, p in pairs}
+        if nameless:
+            raise ValueError(hs.NAMED_PARAMETERS_INCOMPLETE.format(
+                ", ".join(map(str, nameless))))
+        return pairs
 
     def overlap_stats(self) -> dict:
         """Counters of the overlapped update (``overlap_update``): steps overlapped and fallen
@@ -111,205 +140,188 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         communication.  Empty when overlap is off."""
         return {} if self._overlap is None else self._overlap.stats.as_dict()
 
+    def _rearm(self, p: torch.Tensor) -> None:
+        self._allreduce_delay[p] = self.backward_passes_per_step
+
+    def _rearm_all(self) -> None:
+        self._allreduce_delay.update(
+            dict.fromkeys(self._allreduce_delay, self.backward_passes_per_step))
+
     def load_state_dict(self, *args, **kwargs):
+        # Reductions still in flight belong to the state being replaced: forget them.
         self._handles = {}
-        self._synchronized = False
-        self._should_synchronize = True
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
-        super(self.__class__, self).load_state_dict(*args, **kwargs)
+        self._rearm_all()
+        self._should_synchronize, self._synchronized = True, False
+        super(type(self), self).load_state_dict(*args, **kwargs)
 
     @staticmethod
     def find_duplicates(lst: Iterable) -> set:
-        seen = set()
-        dups = set()
-        for el in lst:
-            if el in seen:
-                dups.add(el)
-            seen.add(el)
-        return dups
+        """The items that occur more than once in ``lst``."""
+        seen, repeated = set(), set()
+        for item in lst:
+            (repeated if item in seen else seen).add(item)
+        return repeated
 
     def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated per step; restarts the count."""
         self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._rearm_all()
 
+    # ---- hooks --------------------------------------------------------------------------
     def _register_hooks(self) -> None:
+        trainable = [p for group in self.param_groups for p in group["params"]
+                     if p.requires_grad]
         if self._groups is not None:
-            p_list = []
-            # Get list of parameters with grads
-            for param_group in self.param_groups:
-                for p in param_group["params"]:
-                    if p.requires_grad:
-                        p_list.append(p)
+            self._form_groups(trainable)
+        for p in trainable:
+            self._requires_update.add(p)
+            self._grad_accs.append(self._attach_hook(p))
 
-            # To ensure parameter order and group formation is consistent, sort by name
-            p_list = sorted(p_list, key=lambda p: self._parameter_names.get(p))
-
-            if isinstance(self._groups, int):
-                p_groups = _split_list(p_list, self._groups)
-            else:
-                # As Horovod: a listed tensor that is not a parameter with a gradient (frozen,
-                # or not in this optimizer) is left out of its group.
-                with_grad = {id(p) for p in p_list}
-                p_groups = [sorted((p for p in g if id(p) in with_grad),
-                                   key=lambda p: self._parameter_names.get(p))
-                            for g in self._groups]
-                listed = {id(p) for group in p_groups for p in group}
-                p_groups += [[p] for p in p_list if id(p) not in listed]
-            p_groups = [tuple(g) for g in p_groups if g]
-            for group in p_groups:
-                for p in group:
-                    self._p_to_group[p] = group
-                self._group_counts[group] = 0
-
-        for param_group in self.param_groups:
-            for p in param_group["params"]:
-                if p.requires_grad:
-                    self._requires_update.add(p)
-                    if hasattr(p, "register_post_accumulate_grad_hook"):
-                        self._grad_accs.append(
-                            p.register_post_accumulate_grad_hook(self._make_hook(p)))
-                    else:  # torch < 2.1
-                        p_tmp = p.expand_as(p)
-                        grad_acc = p_tmp.grad_fn.next_functions[0][0]
-                        grad_acc.register_hook(lambda *_, hook=self._make_hook(p), p=p: hook(p))
-                        self._grad_accs.append(grad_acc)
-
-    def _allreduce_grad_async(self, p):
-        if p.grad is None:
-            # Gradient was not computed, but we still need to submit a tensor to allreduce
-            # as one of the other ranks may have computed it (due to dynamic forward functions).
-            #
-            # NOTE: this will not work if the gradient is sparse and we perform an allgather.
-            # Unfrotunately, there doesn't appear to be a good way to detect that the parameter
-            # will produce sparse gradients before computing the gradient.
-            p.grad = p.data.new(p.size()).zero_()
-
-        name = self._parameter_names.get(p)
-        tensor = p.grad
-
-        if p.grad.is_sparse:
-            if self.sparse_as_dense:
-                tensor = tensor.to_dense()
-            else:
-                return self._sparse_allreduce_grad_async(p, name)
-
-        tensor_compressed, ctx = self._compression.compress(tensor)
-
-        if self.op == Average:
-            # Split average operation across pre/postscale factors
-            # C++ backend will apply additional 1 / size() factor to postscale_factor for
-            # op == Average.
-            prescale_factor = 1.0 / self.gradient_predivide_factor
-            postscale_factor = self.gradient_predivide_factor
+    def _form_groups(self, trainable: List[torch.Tensor]) -> None:
+        """Fill ``_p_to_group``/``_group_counts``.  Members are ordered by name, so every rank
+        forms the same groups whatever order its param groups list them in."""
+        name_of = self._parameter_names.get
+        ordered = sorted(trainable, key=name_of)
+        if isinstance(self._groups, int):
+            chunks = _even_chunks(ordered, self._groups)
         else:
-            prescale_factor = 1.0
-            postscale_factor = 1.0
+            # As Horovod: a listed tensor that is not a parameter with a gradient (frozen,
+            # or not in this optimizer) is left out of its group.
+            eligible = {id(p) for p in ordered}
+            chunks = [sorted((t for t in listed if id(t) in eligible), key=name_of)
+                      for listed in self._groups]
+            placed = {id(p) for chunk in chunks for p in chunk}
+            chunks.extend([p] for p in ordered if id(p) not in placed)
+        for chunk in filter(None, chunks):
+            members = tuple(chunk)
+            self._group_counts[members] = 0
+            self._p_to_group.update(dict.fromkeys(members, members))
 
-        handle = allreduce_async_(tensor_compressed, name=name, op=self.op,
-                                  prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor,
-                                  process_set=self.process_set)
+    def _attach_hook(self, p: torch.Tensor) -> Any:
+        """Run ``_make_hook(p)`` whenever ``p``'s gradient has been accumulated; returns what
+        keeps the hook registered."""
+        hook = self._make_hook(p)
+        if hasattr(p, "register_post_accumulate_grad_hook"):
+            return p.register_post_accumulate_grad_hook(hook)
+        # torch < 2.1: hook the AccumulateGrad node that feeds p.grad.
+        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+        accumulator.register_hook(lambda *_: hook(p))
+        return accumulator
+
+    def _make_hook(self, p: torch.Tensor) -> Callable[..., None]:
+        def hook(*_unused):
+            self._gradient_ready(p)
+        return hook
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        entry = self._handles.get(p)
+        started = entry is not None and entry[0] is not None
+        if started and self._allreduce_delay[p] <= 0:
+            raise AssertionError(hs.TOO_MANY_BACKWARD_PASSES)
+        assert not p.grad.requires_grad
+        assert self._allreduce_delay[p] > 0
+        self._allreduce_delay[p] -= 1
+        if self._allreduce_delay[p] != 0:
+            self._handles[p] = (None, None)
+        elif self._groups is None:
+            self._handles[p] = self._allreduce_grad_async(p)
+        else:
+            members = self._p_to_group[p]
+            self._group_counts[members] += 1
+            if self._group_counts[members] == len(members):
+                self._start_group(members)
+            else:
+                self._handles[p] = (None, None)
+
+    # ---- starting reductions --------------------------------------------------------------
+    def _scale_factors(self) -> Tuple[float, float]:
+        """(prescale, postscale) for a gradient allreduce.  For Average the engine divides by
+        the set size after the sum itself; the predivide factor moves part of that division
+        before the sum (keeps half-precision sums in range)."""
+        if self.op != Average:
+            return 1.0, 1.0
+        return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Any, Any]:
+        _zeros_if_missing(p)
+        name = self._parameter_names.get(p)
+        grad = p.grad
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                return self._sparse_allreduce_grad_async(p, name)
+            grad = grad.to_dense()
+        payload, ctx = self._compression.compress(grad)
+        pre, post = self._scale_factors()
+        handle = allreduce_async_(payload, name=name, op=self.op, prescale_factor=pre,
+                                  postscale_factor=post, process_set=self.process_set)
         return handle, ctx
 
-    def _grouped_allreduce_grad_async(self, ps):
-        name = self._parameter_names.get(ps[0])
-        tensors_compressed, ctxs = zip(*[self._compression.compress(p.grad) for p in ps])
-        handle = grouped_allreduce_async_(list(tensors_compressed), name=name, op=self.op,
+    def _grouped_allreduce_grad_async(self, ps: Tuple[torch.Tensor, ...]) -> Tuple[Any, Any]:
+        # One engine request named after the group's first member.  As in Horovod, groups
+        # get no pre/postscaling: gradient_predivide_factor does not apply to them.
+        packed = [self._compression.compress(p.grad) for p in ps]
+        handle = grouped_allreduce_async_([tensor for tensor, _ in packed],
+                                          name=self._parameter_names.get(ps[0]), op=self.op,
                                           process_set=self.process_set)
-        return handle, ctxs
+        return handle, tuple(ctx for _, ctx in packed)
 
-    def _sparse_allreduce_grad_async(self, p, name):
-        handle = sparse_allreduce_async(p.grad, name=name, op=self.op,
-                                        process_set=self.process_set)
-        return handle, None
+    def _sparse_allreduce_grad_async(self, p: torch.Tensor, name: str) -> Tuple[Any, None]:
+        reduce_later = sparse_allreduce_async(p.grad, name=name, op=self.op,
+                                              process_set=self.process_set)
+        return reduce_later, None
 
-    def _make_hook(self, p):
-        def hook(*ignore):
-            if p in self._handles and self._handles[p][0] is not None:
-                if self._allreduce_delay[p] <= 0:
-                    raise AssertionError(
-                        "Gradients were computed more than "
-                        "backward_passes_per_step times before call "
-                        "to step(). Increase backward_passes_per_step to "
-                        "accumulate gradients locally.")
-            assert not p.grad.requires_grad
-            assert self._allreduce_delay[p] > 0
-            handle, ctx = None, None
-            self._allreduce_delay[p] -= 1
-            if self._allreduce_delay[p] == 0:
-                if self._groups is not None:
-                    group = self._p_to_group[p]
-                    self._group_counts[group] += 1
-                    if self._group_counts[group] == len(group):
-                        handle, ctxs = self._grouped_allreduce_grad_async(group)
-                        self._handles[group] = (handle, ctxs)
-                        # Remove any None entries from previous no-op hook calls
-                        for gp in group:
-                            self._handles.pop(gp, None)
-                        self._group_counts[group] = 0
-                        return
-                else:
-                    handle, ctx = self._allreduce_grad_async(p)
-            self._handles[p] = (handle, ctx)
-        return hook
+    def _start_group(self, members: Tuple[torch.Tensor, ...]) -> None:
+        self._handles[members] = self._grouped_allreduce_grad_async(members)
+        # The members' own entries only recorded their passes; the group's entry replaces them.
+        for p in members:
+            self._handles.pop(p, None)
+        self._group_counts[members] = 0
 
     def _submit_pending(self) -> None:
         """Start every allreduce the hooks did not: parameters whose gradient was not produced
         (reduced as zeros, since other ranks may have produced theirs), incomplete groups, and
         passes that ended before ``backward_passes_per_step`` was reached."""
-        completed = set()
-        for x in self._handles.keys():
-            completed.update(x) if isinstance(x, tuple) else completed.add(x)
-        missing_p = self._requires_update - completed
-        for p in sorted(missing_p, key=lambda q: self._parameter_names.get(q)):
-            if self._groups is not None and p in self._p_to_group:
-                continue
-            handle, ctx = self._allreduce_grad_async(p)
-            self._handles[p] = (handle, ctx)
+        seen = set()
+        for key in self._handles:
+            seen.update(key if isinstance(key, tuple) else (key,))
+        absent = self._requires_update - seen
+        # Sorted by name: every rank must submit in the same order.
+        for p in sorted(absent, key=self._parameter_names.get):
+            if p not in self._p_to_group:
+                self._handles[p] = self._allreduce_grad_async(p)
         if self._groups is not None:
-            # Groups that did not complete (some grads missing): reduce them now, as a group.
-            for group, count in self._group_counts.items():
-                if group in self._handles:
+            # A group that did not complete (some gradients missing) is still reduced as one.
+            for members, count in self._group_counts.items():
+                if members in self._handles:
                     continue
-                if any(p in missing_p for p in group) or count:
-                    for gp in group:
-                        if gp.grad is None:
-                            gp.grad = gp.data.new(gp.size()).zero_()
-                        self._handles.pop(gp, None)
-                    handle, ctxs = self._grouped_allreduce_grad_async(group)
-                    self._handles[group] = (handle, ctxs)
-                    self._group_counts[group] = 0
-
-        for p, (handle, ctx) in self._handles.items():
+                if count or not absent.isdisjoint(members):
+                    for p in members:
+                        _zeros_if_missing(p)
+                    self._start_group(members)
+        for key, (handle, _) in list(self._handles.items()):
             if handle is None:
-                handle, ctx = self._allreduce_grad_async(p)
-                self._handles[p] = (handle, ctx)
+                self._handles[key] = self._allreduce_grad_async(key)
 
+    # ---- collecting results -------------------------------------------------------------
     def _finish_reduction(self, p, handle, ctx) -> None:
         """Wait for one handle and put the reduced gradient(s) in place (``p`` is a parameter,
         or a tuple of them for a grouped allreduce)."""
         if isinstance(p, tuple):
-            # This was a grouped result, need to unpack
-            outputs = synchronize(handle)
-            for gp, go, gctx in zip(p, outputs, ctx):
-                self._allreduce_delay[gp] = self.backward_passes_per_step
-                gp.grad.set_(self._compression.decompress(go, gctx))
-        else:
-            # When handle is a callable function, it returns the aggregated tensor result
-            output = synchronize(handle) if not callable(handle) else handle()
-            self._allreduce_delay[p] = self.backward_passes_per_step
-            if p.grad.is_sparse:
-                aggregated = self._compression.decompress(output, ctx)
-                if not aggregated.is_sparse:
-                    # When sparse_as_dense=True we need to convert the grad back to sparse
-                    aggregated = aggregated.to_sparse()
-                # Sparse grads do not support set_ for some reason, so we do this as an
-                # equivalent operation
-                p.grad.zero_().add_(aggregated)
-            else:
-                p.grad.set_(self._compression.decompress(output, ctx))
+            for member, reduced, member_ctx in zip(p, synchronize(handle), ctx):
+                self._rearm(member)
+                member.grad.set_(self._compression.decompress(reduced, member_ctx))
+            return
+        # A sparse reduction hands back a function that yields the result, not an engine handle.
+        reduced = handle() if callable(handle) else synchronize(handle)
+        self._rearm(p)
+        result = self._compression.decompress(reduced, ctx)
+        if not p.grad.is_sparse:
+            p.grad.set_(result)
+            return
+        if not result.is_sparse:  # sparse_as_dense: it travelled as a dense tensor
+            result = result.to_sparse()
+        # set_() is not available on sparse tensors; overwrite through zero_() and add_().
+        p.grad.zero_().add_(result)
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce and put the averaged gradients in place.
@@ -317,29 +329,52 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Called by ``step()``; call it yourself before modifying gradients (e.g. clipping),
         then run ``step()`` inside ``skip_synchronize()``.
         """
-        if not self.process_set.included():
-            self._synchronized = True
-            return
-        self._submit_pending()
-        for p, (handle, ctx) in self._handles.items():
-            self._finish_reduction(p, handle, ctx)
-        self._handles.clear()
-
+        if self.process_set.included():
+            self._submit_pending()
+            for key, (handle, ctx) in self._handles.items():
+                self._finish_reduction(key, handle, ctx)
+            self._handles.clear()
         self._synchronized = True
 
+    def _synchronize_for_step(self) -> None:
+        """step()'s synchronize(), unless the script already called it and is inside
+        ``skip_synchronize()``."""
+        if not self._should_synchronize:
+            self._synchronized = False
+            return
+        if self._synchronized:
+            # Reducing the already averaged gradients again costs a full round of traffic.
+            warnings.warn(hs.STEP_AFTER_SYNCHRONIZE)
+        self.synchronize()
+        self._synchronized = False
+
+    def step(self, closure=None):
+        wrapped_step = super(type(self), self).step
+        overlap = self._overlap
+        if overlap is not None:
+            overlap.stats.steps += 1
+            # With nothing to reduce (single rank, or not in the set) the plain step runs.
+            if self.process_set.included() and self._requires_update:
+                reason = overlap.step_reason(self, closure)
+                if reason is None:
+                    self._synchronized = False
+                    overlap.step(self, wrapped_step)
+                    return None
+                overlap.fallback(reason)
+        self._synchronize_for_step()
+        return wrapped_step(closure)
+
     @contextmanager
-    def skip_synchronize(self):
-        """
-        A context manager used to specify that optimizer.step() should
-        not perform synchronization.
-
-        It's typically used in a following pattern:
-
-        .. code-block:: python
+    def skip_synchronize(self) -> Iterator[None]:
+        """Make ``step()`` use the gradients as they are, without synchronizing, inside this
+        block: for when ``synchronize()`` already ran, e.g. to clip the averaged gradients::
 
             optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             with optimizer.skip_synchronize():
                 optimizer.step()
+
+        Blocks do not nest: leaving any of them turns synchronization back on.
         """
         self._should_synchronize = False
         try:
@@ -347,140 +382,83 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def _synchronize_for_step(self) -> None:
-        """step()'s synchronize(), unless the script already called it and is inside
-        ``skip_synchronize()``."""
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without "
-                              "optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training "
-                              "slowdown. You may want to consider using "
-                              "optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.")
-            self.synchronize()
-        self._synchronized = False
-
-    def step(self, closure=None):
-        overlap = self._overlap
-        if overlap is not None:
-            overlap.stats.steps += 1
-            if not self.process_set.included() or not self._requires_update:
-                pass  # nothing is reduced here (single rank, or not in the set): plain step
-            else:
-                reason = overlap.step_reason(self, closure)
-                if reason is None:
-                    self._synchronized = False
-                    overlap.step(self, super(self.__class__, self).step)
-                    return None
-                overlap.fallback(reason)
-        self._synchronize_for_step()
-        return super(self.__class__, self).step(closure)
-
     def zero_grad(self, *args, **kwargs):
+        # Clearing a gradient the engine is still reducing in place would race with it.
         if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() "
-                                 "but before optimizer.step() or optimizer.synchronize(). "
-                                 "This is prohibited as it can cause a race condition.")
-        return super(self.__class__, self).zero_grad(*args, **kwargs)
+            raise AssertionError(hs.ZERO_GRAD_RACE)
+        return super(type(self), self).zero_grad(*args, **kwargs)
 
 
-def DistributedOptimizer(optimizer, named_parameters=None,
-                         compression=Compression.none,
-                         backward_passes_per_step=1,
-                         op=Average,
-                         gradient_predivide_factor=1.0,
-                         num_groups=0, groups=None,
-                         sparse_as_dense=False,
-                         process_set=global_process_set,
-                         overlap_update: Optional[bool] = None):
-    """
-    An optimizer that wraps another torch.optim.Optimizer, using an allreduce to
-    combine gradient values before applying gradients to model weights.
+def _distributed_class(base: type) -> type:
+    # A subclass of the user's optimizer class (same name), so isinstance() checks and
+    # the optimizer's own step() keep working; our methods take precedence.
+    return type(base.__name__, (base,), dict(_DistributedOptimizer.__dict__))
 
-    Allreduce operations are executed after each gradient is computed by ``loss.backward()``
-    in parallel with each other. The ``step()`` method ensures that all allreduce operations are
-    finished before applying gradients to the model.
 
-    DistributedOptimizer exposes the ``synchronize()`` method, which forces allreduce operations
-    to finish before continuing the execution. It's useful in conjunction with gradient
-    clipping, or other operations that modify gradients in place before ``step()`` is executed.
-    Make sure to use ``optimizer.skip_synchronize()`` if you're calling ``synchronize()``
-    in your code.
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[NamedParameters] = None,
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         op: int = Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Optional[Groups] = None,
+                         sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set,
+                         overlap_update: Optional[bool] = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that its ``step()`` applies gradients averaged over all ranks.
 
-    Example of gradient clipping:
+    Each gradient's allreduce starts in the background as soon as ``loss.backward()`` has
+    produced it, so communication overlaps the rest of the backward pass; ``step()`` waits for
+    the results before updating.  To work on the averaged gradients first (clipping, say),
+    call ``optimizer.synchronize()``, then step inside ``optimizer.skip_synchronize()``::
 
-    .. code-block:: python
-
-        output = model(data)
-        loss = F.nll_loss(output, target)
         loss.backward()
         optimizer.synchronize()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         with optimizer.skip_synchronize():
             optimizer.step()
 
+    The result is an instance of a subclass of ``type(optimizer)`` sharing its param groups.
+
     Arguments:
-        optimizer: Optimizer to use for computing gradients and applying updates.
-        named_parameters: A mapping between parameter names and values. Used for naming of
-                          allreduce operations. Typically just ``model.named_parameters()``.
-        compression: Compression algorithm used during allreduce to reduce the amount
-                     of data sent during each parameter update step.  Defaults to
-                     not using compression.
-        backward_passes_per_step: Number of expected backward passes to perform
-                                  before calling step()/synchronize(). This
-                                  allows accumulating gradients over multiple
-                                  mini-batches before reducing and applying them.
-        op: The reduction operation to use when combining gradients across different ranks.
-        gradient_predivide_factor: If op == Average, gradient_predivide_factor splits the
-                                   averaging before and after the sum. Gradients are scaled by
-                                   1.0 / gradient_predivide_factor before the sum and
-                                   gradient_predivide_factor / size after the sum.
-        num_groups: Number of groups to assign gradient allreduce ops to for explicit
-                    grouping. Defaults to no explicit groups.
-        groups: The parameter to group the gradient allreduce ops. Accept values is a
-                non-negative integer or a list of list of torch.Tensor.
-                If groups is a non-negative integer, it is the number of groups to assign
-                gradient allreduce ops to for explicit grouping.
-                If groups is a list of list of torch.Tensor. Tensors in the same
-                inner list will be assigned to the same group, while parameter that does
-                not appear in any list will form a group itself.
-                Defaults as None, which is no explicit groups.
-        sparse_as_dense: If set True, convert all sparse gradients to dense and perform allreduce, then
-                         convert back to sparse before applying the update.
-        process_set: Gradients will only be reduced over Horovod processes belonging
-                     to this process set. Defaults to the global process set.
+        optimizer: the ``torch.optim.Optimizer`` that computes the updates.
+        named_parameters: ``(name, parameter)`` pairs, usually ``model.named_parameters()``;
+            the names label the reductions and must match between ranks.  Every parameter of
+            the optimizer needs one.  Without it, names are generated from positions.
+        compression: applied to each gradient for the transfer (``Compression.none``,
+            ``Compression.fp16``); ``Compression.dgc(...)`` builds a DGC optimizer instead.
+        backward_passes_per_step: backward passes whose gradients accumulate locally before
+            they are reduced, i.e. between two ``step()``/``synchronize()`` calls.
+        op: ``Average`` (default), ``Sum`` or ``Adasum`` (single process only).
+        gradient_predivide_factor: with ``Average`` only: gradients are multiplied by
+            ``1 / factor`` before the sum and by ``factor / size`` after it.
+        num_groups: deprecated spelling of an integer ``groups``.
+        groups: reduce gradients in explicit groups, each group as one request.  An integer
+            splits the trainable parameters (in name order) into that many groups; a list of
+            lists of tensors gives the groups, and every parameter left out is a group alone.
+            None (default): no explicit groups.
+        sparse_as_dense: reduce sparse gradients as dense tensors and make them sparse again
+            before the update.
+        process_set: the ranks to average over (default: all).
         overlap_update: If True, ``step()`` updates each bucket of parameters as soon as its
-                        allreduce completes, while the remaining buckets are still being
-                        reduced, with exactly the same results as the synchronous update.
-                        Steps where that cannot be exact (``synchronize()`` called first, e.g.
-                        for gradient clipping; a closure; GradScaler; step hooks; sparse
-                        gradients; FusedLAMB's global norm) fall back to the synchronous
-                        update and log why once.  Defaults to ``AIAK_OVERLAP_UPDATE``
-                        (``aiakrun --overlap-update``), else off.  See ``overlap_stats()``.
+            allreduce completes, while the remaining buckets are still being reduced, with
+            exactly the same results as the synchronous update.  Steps where that cannot be
+            exact (``synchronize()`` called first, e.g. for gradient clipping; a closure;
+            GradScaler; step hooks; sparse gradients; FusedLAMB's global norm) fall back to
+            the synchronous update and log why once.  Defaults to ``AIAK_OVERLAP_UPDATE``
+            (``aiakrun --overlap-update``), else off.  See ``overlap_stats()``.
 
     Setting ``AIAK_FUSED_OPTIMIZER=1`` swaps a plain ``torch.optim`` Adam, AdamW or SGD for
     the matching ``aiak_training.fused_optim`` class before wrapping it.
     """
-    # We dynamically create a new class that inherits from the optimizer that was passed in.
-    # The goal is to override the `step()` method with an allreduce implementation.
-
-    if gradient_predivide_factor != 1.0:
-        if op != Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
-
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError(hs.PREDIVIDE_NEEDS_AVERAGE)
     if op == Adasum and size() > 1:
         # On one process Horovod runs the plain optimizer, and so does this.
         raise NotImplementedError("Adasum is not supported by aiak_training yet.")
-
     if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` "
-                      "and will be removed in v0.23.0.", DeprecationWarning)
-        if groups is None:
-            groups = num_groups
-
+        warnings.warn(hs.NUM_GROUPS_DEPRECATED, DeprecationWarning)
+        groups = num_groups if groups is None else groups
     if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
+        raise ValueError(hs.BACKWARD_PASSES_POSITIVE)
 
     # Compressors that need their own exchange (e.g. DGC's sparse allgather) build the
     # distributed optimizer themselves.
@@ -502,11 +480,9 @@ def DistributedOptimizer(optimizer, named_parameters=None,
         from aiak_training.fused_optim import maybe_fuse
         optimizer = maybe_fuse(optimizer)
 
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_DistributedOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, named_parameters, compression,
-                  backward_passes_per_step, op, gradient_predivide_factor, groups,
-                  sparse_as_dense, process_set, overlap_update)
+    wrapped = _distributed_class(optimizer.__class__)(
+        optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+        gradient_predivide_factor, groups, sparse_as_dense, process_set, overlap_update)
     # Keep any state the wrapped optimizer already had (Horovod drops it).
     for p, s in optimizer.state.items():
         wrapped.state[p] = s

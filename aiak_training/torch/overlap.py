@@ -32,14 +32,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from aiak_training.common.env import env_bool, env_bytes
 
-if TYPE_CHECKING:  # pragma: no cover
-    from aiak_training.torch.optimizer import _DistributedOptimizer
 
 log = logging.getLogger("aiak_training")
 
@@ -156,13 +154,16 @@ class Overlap:
 
     # ---- eligibility ---------------------------------------------------------------------
     @staticmethod
-    def static_reason(opt: "_DistributedOptimizer") -> Tuple[Optional[str],
-                                                             Optional[Callable[[Any], Optional[str]]]]:
-        """(reason overlap can never apply to ``opt``, per-step check of its class)."""
-        from aiak_training.torch.optimizer import _DistributedOptimizer
+    def static_reason(opt: torch.optim.Optimizer, reference: type
+                      ) -> Tuple[Optional[str], Optional[Callable[[Any], Optional[str]]]]:
+        """(reason overlap can never apply to ``opt``, per-step check of its class).
+
+        ``reference`` is the distributed optimizer class whose step, hooks and reductions
+        the overlap path was written against: a subclass that replaces one of them (DGC)
+        does not qualify."""
         cls = type(opt)
         for name in ("step", "synchronize", "_make_hook", "_submit_pending", "_finish_reduction"):
-            if _unwrap(getattr(cls, name, None)) is not _DistributedOptimizer.__dict__[name]:
+            if _unwrap(getattr(cls, name, None)) is not reference.__dict__[name]:
                 return "replaced", None
         base = cls.__mro__[1]  # the wrapped optimizer's class (DistributedOptimizer's base)
         if base.__dict__.get("aiak_overlap_update_safe", False):
@@ -174,7 +175,7 @@ class Overlap:
             return None, None
         return "optimizer", None
 
-    def step_reason(self, opt: "_DistributedOptimizer", closure: Any) -> Optional[str]:
+    def step_reason(self, opt: torch.optim.Optimizer, closure: Any) -> Optional[str]:
         """Why this particular step must be synchronous, or None."""
         if opt._synchronized or not opt._should_synchronize:
             return "synchronized"
@@ -201,7 +202,7 @@ class Overlap:
         log_fallback_once(self.logged, reason)
 
     # ---- the overlapped step ---------------------------------------------------------------
-    def step(self, opt: "_DistributedOptimizer", base_step: Callable[[], Any]) -> None:
+    def step(self, opt: torch.optim.Optimizer, base_step: Callable[[], Any]) -> None:
         """Reduce-and-update bucket by bucket.  ``base_step()`` is the wrapped optimizer's step."""
         from aiak_training.runtime import current
         engine = current.engine()
