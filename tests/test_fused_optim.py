@@ -688,6 +688,10 @@ def test_lamb_state_dict_round_trip():
             ob = fo.FusedLAMB(b, lr=1e-2)
             ob.load_state_dict(sd)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
+    # Loading adds nothing to the param groups (torch's __setstate__ would add
+    # "differentiable", an option FusedLAMB does not have): the state dicts stay equal.
+    assert ob.param_groups[0].keys() == oa.param_groups[0].keys()
+    assert ob.defaults == oa.defaults
 
 
 # ----------------------------------------------------------------------------- schedulers

@@ -135,10 +135,18 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     state[key] = v.to(device=p.device, dtype=want)
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
+        # load_state_dict() passes no defaults (the live ones stay); unpickling passes them.
+        own = dict(state.get("defaults", self.__dict__.get("defaults")) or {})
         super().__setstate__(state)
+        # torch's __setstate__ adds "differentiable" to the defaults of every optimizer, for its
+        # own classes' step().  A class without that option (FusedLAMB) must not gain it: the
+        # loaded param groups would then differ from a fresh optimizer's, and a state_dict
+        # saved after a resume would not equal one saved by an uninterrupted run.
+        if "differentiable" not in own:
+            self.defaults.pop("differentiable", None)
         # Groups loaded from a torch.optim checkpoint lack our own keys (e.g. master_weights).
         for group in self.param_groups:
-            for key, value in self.defaults.items():
+            for key, value in own.items():
                 group.setdefault(key, value)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -48,12 +48,19 @@ def broadcast_parameters(params, root_rank: int) -> None:
 
 # ---- optimizer state ------------------------------------------------------------------------
 def _create_state(optimizer) -> None:
-    """Give a fresh optimizer its per-parameter state by stepping once on zero gradients."""
+    """Give a fresh optimizer its per-parameter state by stepping once on zero gradients.
+
+    The parameters are put back afterwards: a zero gradient still moves them under weight
+    decay (AdamW), and these ranks' parameters were typically just made equal to the root's
+    by ``broadcast_parameters``.  (Horovod leaves the decayed values, so ranks drift apart.)
+    """
     sparse_grads = isinstance(optimizer, torch.optim.SparseAdam)
+    saved = []
     for group in optimizer.param_groups:
         for param in group["params"]:
             if not param.requires_grad:
                 continue
+            saved.append((param, param.detach().clone()))
             zeros = param.data.new_zeros(param.size())
             param.grad = zeros.to_sparse() if sparse_grads else zeros
     if getattr(optimizer, "_aiak_distributed", False):
@@ -63,6 +70,9 @@ def _create_state(optimizer) -> None:
         super(type(optimizer), optimizer).step()
     else:
         optimizer.step()
+    with torch.no_grad():
+        for param, before in saved:
+            param.copy_(before)
 
 
 def _set_item(container: Dict, key: Hashable, value: Any) -> None:
