@@ -174,6 +174,7 @@ setup(
     install_requires=_install_requires(),
     extras_require={
         "torch": ["torch>=2.1"],
+        "tensorflow": ["tensorflow-cpu==2.21.0", "keras"],
         "test": ["pytest>=7", "scikit-learn>=1.0"],
         "examples": ["scikit-learn>=1.0"],
     },

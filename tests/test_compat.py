@@ -1,4 +1,5 @@
 """The Horovod compatibility switch: shim location, never shadowing a real Horovod, aliasing."""
+import importlib.util
 import os
 import re
 import subprocess
@@ -182,3 +183,60 @@ def test_unmodified_horovod_script_runs_on_two_virtual_nodes():
     assert proc.returncode == 0, proc.stderr
     lines = sorted(re.findall(r"r=\d .*", proc.stdout))  # any launcher's rank label is skipped
     assert lines == ["r=0 size=2 local=0/1 cross=0/2 sum=3", "r=1 size=2 local=0/1 cross=1/2 sum=3"]
+
+
+_needs_tf = pytest.mark.skipif(
+    importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("keras") is None,
+    reason="TensorFlow and Keras are not installed (pip install -e '.[tensorflow]')")
+
+
+@_needs_tf
+def test_horovod_tensorflow_resolves_to_aiak_training_tensorflow():
+    proc = _python("""
+        import horovod.tensorflow as hvd
+        import horovod.tensorflow.mpi_ops as mpi_ops
+        from horovod.tensorflow import DistributedGradientTape, allreduce
+        from horovod.tensorflow.compression import Compression
+        from horovod.tensorflow.functions import broadcast_variables
+        from horovod.tensorflow.sync_batch_norm import SyncBatchNormalization
+        import aiak_training.tensorflow as ours
+        assert hvd.__name__ == "horovod.tensorflow", hvd.__name__
+        assert allreduce is ours.allreduce and hvd.rank is ours.rank
+        assert DistributedGradientTape is ours.DistributedGradientTape
+        assert Compression is ours.Compression and broadcast_variables is ours.broadcast_variables
+        assert SyncBatchNormalization is ours.SyncBatchNormalization
+        assert mpi_ops is ours.mpi_ops and hvd.mpi_ops is mpi_ops
+        assert hvd.HorovodInternalError is __import__("horovod.common.exceptions").common \\
+            .exceptions.HorovodInternalError
+        print("ok")
+        """, [SHIM, REPO])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "ok"
+
+
+@_needs_tf
+def test_unmodified_horovod_tensorflow_script_runs():
+    # `import horovod.tensorflow as hvd` under aiakrun --horovod-compat at 2 ranks: eager and
+    # tf.function collectives, and a DistributedGradientTape step.
+    script = textwrap.dedent("""
+        import sys
+        import tensorflow as tf
+        import horovod.tensorflow as hvd
+        hvd.init()
+        x = tf.constant([float(hvd.rank() + 1)])
+        eager = hvd.allreduce(x, op=hvd.Sum)
+        graph = tf.function(lambda t: hvd.allgather(t))(x)
+        v = tf.Variable([1.0])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v * x)
+        grad = hvd.DistributedGradientTape(tape).gradient(loss, [v])[0]
+        sys.stdout.write("r=%d sum=%g gathered=%s grad=%g\\n" % (
+            hvd.rank(), eager.numpy()[0], graph.numpy().tolist(), grad.numpy()[0]))
+        hvd.shutdown()
+        """)
+    proc = _aiakrun(["--horovod-compat", "-np", "2", sys.executable, "-c", script], [REPO],
+                    TF_CPP_MIN_LOG_LEVEL="2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(re.findall(r"r=\d .*", proc.stdout))
+    assert lines == ["r=0 sum=3 gathered=[1.0, 2.0] grad=1.5",
+                     "r=1 sum=3 gathered=[1.0, 2.0] grad=1.5"], proc.stdout

@@ -25,6 +25,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "runtime": {"common", "allreduce"},
     "fused_optim": {"common"},
     "torch": {"common", "runtime", "fused_optim"},
+    "tensorflow": {"common", "runtime"},
     "dgc": {"common", "runtime", "torch"},
 }
 

@@ -77,3 +77,24 @@ NUM_GROUPS_DEPRECATED = ("Parameter `num_groups` has been replaced by `groups` a
 INVALID_PARAMS_TYPE = "invalid params of type: {}"
 LBFGS_STATE = "cannot broadcast torch.optim.LBFGS state"
 SYNC_BATCH_NORM_INPUT_DIM = "expected at least 2D input (got {}D input)"
+
+# ---- TensorFlow frontend -----------------------------------------------------------------
+IS_ADASUM_UNSUPPORTED = ("The Adasum reduction does not currently support sparse tensors. As a "
+                         "workaround please pass sparse_as_dense=True to DistributedOptimizer")
+IS_OPS_SUPPORTED = "Only Sum and Average ops are supported with tf.IndexedSlices"
+IS_SCALING_UNSUPPORTED = "Pre/postscale_factor are not supported with tf.IndexedSlices"
+GROUPS_TYPE_TF = ("groups should be a non-negative integer or a list of list of "
+                  "tf.Variable.")
+LOCAL_LAYERS_TYPE = "All local layers must be of tf.keras.layers.Layer type."
+SYNC_BATCH_NORM_FUSED = "SyncBatchNormalization does not support fused=True."
+
+# ---- Keras frontend ----------------------------------------------------------------------
+KERAS_OPS_SUPPORTED = "op currently only supports Average and Sum"
+SPARSE_WITH_BACKWARD_PASSES = ("IndexedSlices are not supported when "
+                               "`backward_passes_per_step` > 1 and `sparse_as_dense` is False.")
+LOCAL_VARIABLES_TYPE = "All local variables must be of tf.Variable type."
+INITIAL_LR_REQUIRED = "Parameter `initial_lr` is required"
+STEPS_PER_EPOCH_UNKNOWN = (
+    "Could not autodetect the number of steps per epoch. Please specify the steps_per_epoch "
+    "parameter to the {}() or upgrade to the latest version of Keras.")
+WARMUP_FINISHED = "\nEpoch {}: finished gradual learning rate warmup to {:g}."

@@ -10,7 +10,12 @@ os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
 
 @pytest.fixture(scope="session", autouse=True)
 def hvd_session():
-    import aiak_training.torch as hvd
+    # The TensorFlow suite runs with AIAK_TEST_FRONTEND=tensorflow, so that its processes
+    # never load torch.
+    if os.environ.get("AIAK_TEST_FRONTEND") == "tensorflow":
+        import aiak_training.tensorflow as hvd
+    else:
+        import aiak_training.torch as hvd
     hvd.init()
     yield hvd
     # As Horovod's tearDown: no rank shuts down (which stops every rank's engine) while

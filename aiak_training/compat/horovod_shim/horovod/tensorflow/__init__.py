@@ -2,4 +2,5 @@
 from horovod import _aiak_alias
 
 _impl = _aiak_alias.reexport(globals(), "aiak_training.tensorflow",
-                             submodules=("mpi_ops", "keras"))
+                             submodules=("mpi_ops", "compression", "functions",
+                                         "sync_batch_norm", "elastic", "keras"))
