@@ -56,6 +56,12 @@ class Config:
     # or "mpi" (staged through pinned host memory).  AIAK_GPU_TRANSPORT, or Horovod's
     # HOROVOD_GPU_OPERATIONS=MPI.
     gpu_transport: str = "nccl"
+    # Collective watchdog (runtime/watchdog.py): an MPI operation of the engine that shows no
+    # progress for this long ends the process (0: off).  AIAK_COLLECTIVE_TIMEOUT_SECONDS.
+    collective_timeout_s: float = 30.0
+    # The watchdog's liveness probe: a small TCP listener per rank that lets the watchdog name
+    # the peers that are gone.  AIAK_LIVENESS_PROBE.
+    liveness_probe: bool = True
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -77,4 +83,7 @@ class Config:
             zero_copy_bytes=env_bytes("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
             log_level=env_choice("HOROVOD_LOG_LEVEL", "warning", LOG_LEVELS).upper(),
             gpu_transport=_gpu_transport(),
+            collective_timeout_s=env_float("AIAK_COLLECTIVE_TIMEOUT_SECONDS",
+                                           cls.collective_timeout_s, minimum=0.0),
+            liveness_probe=env_bool("AIAK_LIVENESS_PROBE", True),
         )

@@ -22,6 +22,11 @@ class Timeline:
     def active(self) -> bool:
         return self._file is not None
 
+    @property
+    def tensor_count(self) -> int:
+        """Tensor names given a trace process so far (kept until the timeline restarts)."""
+        return len(self._pids)
+
     def start(self, path: str, mark_cycles: bool = False) -> None:
         with self._lock:
             self._close_locked()

@@ -155,6 +155,20 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], launcher: MpiL
     return spec, env
 
 
+def proxy_hosts(spec: LaunchSpec, launcher: MpiLauncher) -> List[Tuple[str, List[int]]]:
+    """For MPICH's hydra: each host in launch order with its ranks, so that aiakrun can name a
+    host that vanished as a whole (see supervise.ProxyWatch).  Empty for other MPIs and for
+    virtual hosts, where one local proxy runs everything."""
+    if launcher.flavour is not Flavour.MPICH or spec.virtual_hosts:
+        return []
+    out: List[Tuple[str, List[int]]] = []
+    first = 0
+    for host in spec.hosts:
+        out.append((host.name, list(range(first, first + host.slots))))
+        first += host.slots
+    return out
+
+
 def _version_text() -> str:
     from aiak_training.runner.check_build import HOROVOD_VERSION, aiak_version
     return f"aiakrun (aiak-training) {aiak_version()}, compatible with Horovod {HOROVOD_VERSION}"
@@ -200,7 +214,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         if args.verbose:
             print(f"aiakrun: {shlex.join(cmd)}", file=sys.stderr, flush=True)
         try:
-            result = run_job(cmd, env, env[FAILURE_DIR_ENV])
+            result = run_job(cmd, env, env[FAILURE_DIR_ENV],
+                             proxy_hosts=proxy_hosts(spec, launcher))
         except OSError as exc:  # the launcher vanished between detection and start
             print(f"aiakrun: error: could not run {launcher.path}: {exc}", file=sys.stderr)
             return 1

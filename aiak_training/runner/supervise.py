@@ -8,12 +8,15 @@ final sweep finds them even though hydra starts every rank in a session of its o
 from __future__ import annotations
 
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Mapping, Optional, Sequence, TextIO
+from typing import Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
 from aiak_training.runner import proc_tree
 from aiak_training.runner.failure import (RankFailure, describe_returncode, has_failures,
@@ -35,6 +38,30 @@ class Timeouts:
     poll: float = 0.1
 
 
+@dataclass(frozen=True)
+class LostHost:
+    """A host whose MPI proxy ended first while the job was running."""
+
+    host: str
+    ranks: Tuple[int, ...]
+    pid: int
+    seconds_before_launcher: float  # how long before the launcher itself ended
+
+    def describe(self) -> str:
+        """``lost host b (ranks 2-3): its MPI proxy (pid 123) ended 0.07 s before ...``."""
+        if not self.ranks:
+            who = "no ranks"
+        elif len(self.ranks) > 1 and self.ranks == tuple(range(self.ranks[0],
+                                                                self.ranks[-1] + 1)):
+            who = f"ranks {self.ranks[0]}-{self.ranks[-1]}"
+        else:
+            who = ("rank " if len(self.ranks) == 1 else "ranks ") + \
+                ", ".join(str(r) for r in self.ranks)
+        return (f"lost host {self.host} ({who}): its MPI proxy (pid {self.pid}) ended "
+                f"{self.seconds_before_launcher:.2f} s before the launcher, while the job ran "
+                "(the host, or every process of the job on it, went away)")
+
+
 @dataclass
 class JobResult:
     """How the job ended."""
@@ -43,12 +70,141 @@ class JobResult:
     launcher_returncode: int
     failures: List[RankFailure] = field(default_factory=list)
     stop_signal: Optional[int] = None
+    lost_hosts: List[LostHost] = field(default_factory=list)
+
+
+class ProxyWatch:
+    """Notes when each of MPICH hydra's per-host proxies ends, to the millisecond.
+
+    When a whole host goes away (its processes killed, or the machine gone), no rank on it
+    can report anything, and hydra's launcher just exits with an internal assertion.  Its
+    proxy names the host: it is the one that ended clearly first, before the launcher and
+    the other proxies (see :meth:`lost`).  hydra numbers its proxies
+    (``--proxy-id N``) in the order of its host list, which is ``hosts`` here.  Processes
+    are found in the launcher's tree (the local proxy, and the ``ssh``/launch-agent process
+    of each remote one, whose command line carries the same ``--proxy-id``); their ends and
+    the launcher's are watched through pidfds, so the order is exact even when they are
+    10 ms apart.  Linux only; elsewhere it watches nothing.
+    """
+
+    _PROXY_ID = re.compile(rb"hydra_pmi_proxy\b.*?--proxy-id[\s=](\d+)")
+
+    def __init__(self, launcher_pid: int, hosts: Sequence[Tuple[str, Sequence[int]]]):
+        self._launcher = launcher_pid
+        self._hosts = [(name, tuple(ranks)) for name, ranks in hosts]
+        self._fds: Dict[int, Tuple[int, int]] = {}   # pidfd -> (pid, proxy id)
+        self._seen: Dict[int, int] = {}              # pid -> proxy id
+        self.ended: Dict[int, Tuple[float, int]] = {}  # proxy id -> (monotonic time, pid)
+        self.launcher_ended: Optional[float] = None
+        self._launcher_fd: Optional[int] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aiakrun-proxies",
+                                        daemon=True)
+        if hosts and hasattr(os, "pidfd_open"):
+            try:
+                self._launcher_fd = os.pidfd_open(launcher_pid)
+            except OSError:
+                return
+            self._thread.start()
+
+    def _discover(self) -> None:
+        for pid in proc_tree.descendants(self._launcher):
+            if pid in self._seen:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ")
+            except OSError:
+                continue
+            m = self._PROXY_ID.search(cmdline)
+            if not m or int(m.group(1)) >= len(self._hosts):
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            self._seen[pid] = int(m.group(1))
+            self._fds[fd] = (pid, int(m.group(1)))
+
+    def _run(self) -> None:
+        started = last_scan = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                # Proxies start within the first seconds (a launch agent execs, so its pid
+                # shows the proxy's command line a moment later).  Once all are found the
+                # tree is not scanned again; if some never show up (another hydra), only
+                # rarely, so that a long job does not pay for the scans.
+                if len(set(self._seen.values())) < len(self._hosts) and \
+                        now - last_scan >= (0.2 if now - started < 60 else 10.0):
+                    self._discover()
+                    last_scan = now
+                watched = list(self._fds)
+                if self.launcher_ended is None and self._launcher_fd is not None:
+                    watched.append(self._launcher_fd)
+                ready = select.select(watched, [], [], 0.2)[0] if watched else []
+                if not watched:
+                    self._stop.wait(0.2)
+                stamp = time.monotonic()
+                for fd in ready:
+                    if fd == self._launcher_fd:
+                        self.launcher_ended = stamp
+                        continue
+                    pid, proxy = self._fds.pop(fd)
+                    os.close(fd)
+                    if proxy not in self.ended or stamp < self.ended[proxy][0]:
+                        self.ended[proxy] = (stamp, pid)
+        except (OSError, ValueError):
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        for fd in list(self._fds) + ([self._launcher_fd] if self._launcher_fd else []):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+        self._launcher_fd = None
+
+    def all_ended(self) -> bool:
+        """Whether every proxy found has ended (True if none was found)."""
+        return set(self.ended) >= set(self._seen.values())
+
+    def lost(self, margin: float = 0.01) -> List[LostHost]:
+        """Hosts whose proxy ended clearly first: at least ``margin`` seconds before the
+        launcher and before every other proxy (earliest first); empty otherwise.
+
+        When a host vanishes, its proxy's end leads the launcher's by tens of ms, and the
+        other proxies end with or after the launcher.  When hydra tears a job down itself,
+        the proxies end together.  Ends seen in one wake-up of the watcher share a stamp, so
+        they never count as separated.  It is a heuristic, used only when no rank left a
+        failure record.
+        """
+        end = self.launcher_ended
+        proxies = set(self._seen.values())
+        if end is None or not proxies:
+            return []
+        never = float("inf")
+        ends = sorted((self.ended.get(proxy, (never, -1)) + (proxy,)) for proxy in proxies)
+        for i, (when, _, _) in enumerate(ends):
+            if when > end - margin:
+                return []
+            if i + 1 == len(ends):
+                return []  # every proxy ended early: hydra's own teardown
+            if ends[i + 1][0] - when >= margin:
+                return [LostHost(self._hosts[proxy][0], self._hosts[proxy][1], pid, end - t)
+                        for t, pid, proxy in ends[:i + 1]]
+        return []
 
 
 class _Supervisor:
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str], failure_dir: str,
-                 timeouts: Timeouts):
+                 timeouts: Timeouts, proxy_hosts: Sequence[Tuple[str, Sequence[int]]] = ()):
         self.cmd, self.env, self.failure_dir, self.t = list(cmd), dict(env), failure_dir, timeouts
+        self.proxy_hosts = list(proxy_hosts)
         self.pending: List[int] = []
         self.stop_signal: Optional[int] = None
         self.preexisting = set(proc_tree.children(os.getpid()))
@@ -76,8 +232,21 @@ class _Supervisor:
         old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
-            returncode = self._watch(proc)
-            failures = read_failures(self.failure_dir)
+            proxies = ProxyWatch(proc.pid, self.proxy_hosts)
+            try:
+                returncode = self._watch(proc)
+                failures = read_failures(self.failure_dir)
+                if returncode != 0 and not failures and self.stop_signal is None:
+                    # No rank said what happened: the proxies tell (see ProxyWatch).  Those
+                    # that outlive the launcher end right after it; let the watcher see them
+                    # go, to tell "ended before" from "ended after".
+                    deadline = time.monotonic() + 1.0
+                    while time.monotonic() < deadline and not proxies.all_ended():
+                        time.sleep(0.02)
+            finally:
+                proxies.stop()
+            lost = proxies.lost() if returncode != 0 and not failures else []
+            failures = read_failures(self.failure_dir)  # again: ranks may have ended since
             if failures or returncode != 0 or self.stop_signal is not None:
                 self._kill_everything()  # nothing of a failed job may outlive aiakrun
             proc_tree.reap(self._job_pids())
@@ -85,7 +254,8 @@ class _Supervisor:
             for s, handler in old.items():
                 signal.signal(s, handler)
         return JobResult(_exit_code(returncode, failures, self.stop_signal), returncode,
-                         failures, self.stop_signal)
+                         failures, self.stop_signal,
+                         lost if self.stop_signal is None else [])
 
     def _watch(self, proc: subprocess.Popen) -> int:
         failure_seen = stop_at = terminated_at = None
@@ -137,9 +307,14 @@ def _exit_code(returncode: int, failures: Sequence[RankFailure], stop_signal: Op
 
 
 def run_job(cmd: Sequence[str], env: Mapping[str, str], failure_dir: str,
-            timeouts: Optional[Timeouts] = None) -> JobResult:
-    """Run the launcher ``cmd`` to completion under supervision (see module docstring)."""
-    return _Supervisor(cmd, env, failure_dir, timeouts or Timeouts()).run()
+            timeouts: Optional[Timeouts] = None,
+            proxy_hosts: Sequence[Tuple[str, Sequence[int]]] = ()) -> JobResult:
+    """Run the launcher ``cmd`` to completion under supervision (see module docstring).
+
+    ``proxy_hosts``: for MPICH's hydra, the hosts in launch order with their ranks, so that
+    a host that vanished as a whole can be named (:class:`ProxyWatch`).
+    """
+    return _Supervisor(cmd, env, failure_dir, timeouts or Timeouts(), proxy_hosts).run()
 
 
 def report(result: JobResult, launcher: str, out: TextIO = sys.stderr) -> None:
@@ -152,6 +327,13 @@ def report(result: JobResult, launcher: str, out: TextIO = sys.stderr) -> None:
             print(f"aiakrun: also: {other.describe()}", file=out)
     elif result.stop_signal is not None:
         print(f"aiakrun: stopped by {signal.Signals(result.stop_signal).name}", file=out)
+    elif result.lost_hosts:
+        print(f"aiakrun: job failed: {result.lost_hosts[0].describe()}; "
+              f"{os.path.basename(launcher)} exited with "
+              f"{describe_returncode(result.launcher_returncode)}; the other ranks were stopped",
+              file=out)
+        for other in result.lost_hosts[1:]:
+            print(f"aiakrun: also: {other.describe()}", file=out)
     elif result.launcher_returncode != 0:
         print(f"aiakrun: {os.path.basename(launcher)} exited with "
               f"{describe_returncode(result.launcher_returncode)}", file=out)

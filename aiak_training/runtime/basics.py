@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 import threading
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 from aiak_training.common import build_info
 from aiak_training.common import horovod_strings as hs
@@ -178,6 +178,21 @@ ddl_built = _build_flag("ddl_built")
 ccl_built = _build_flag("ccl_built")
 cuda_built = _build_flag("cuda_built")
 rocm_built = _build_flag("rocm_built")
+
+
+# ---- read-only counters (leak checks) -------------------------------------------------------
+def open_handles() -> int:
+    """How many of this rank's submitted operations have not been synchronized yet (in flight,
+    or done but never waited for).  A training loop that synchronizes everything it starts
+    sees 0 between steps; a count that grows step after step is a leak."""
+    return engine().open_handles()
+
+
+def runtime_counts() -> Dict[str, int]:
+    """Sizes of the runtime's tables on this rank (see ``Engine.counts``): open handles,
+    pending entries, response-cache entries, negotiation tables, process sets, fusion-buffer
+    bytes.  For soak tests and monitoring; reading them changes nothing."""
+    return engine().counts()
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -170,6 +170,16 @@ class Controller:
     def mark_unjoined(self) -> None:
         self._joined = False
 
+    def counts(self) -> Dict[str, int]:
+        """Sizes of this set's negotiation tables, for leak checks in long runs.  Read from
+        another thread without a lock: each figure is one ``len``, so it may be a cycle old
+        but never torn."""
+        return {"cache_entries": len(self.cache),
+                "cached_pending": len(self._cached_pending),
+                "uncached_pending": len(self._to_send),
+                "submitted_pending": len(self._submitted_at),
+                "coordinator_table": len(self._table)}
+
     # ---------------------------------------------------------------------------------------
     def _bit_vector(self, flags: int, invalid_bits: List[int]) -> np.ndarray:
         # Built with Python ints (cheap per bit), converted to uint64 once.

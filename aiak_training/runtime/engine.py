@@ -23,6 +23,7 @@ from aiak_training.runtime.completion import Completer
 from aiak_training.runtime.controller import Controller
 from aiak_training.runtime.entries import Handle, HandleTable, SetState, TensorEntry
 from aiak_training.runtime.executor import Executor
+from aiak_training.runtime.watchdog import Watchdog
 
 log = logging.getLogger("aiak_training")
 
@@ -53,6 +54,11 @@ class Engine:
         self.topology: Optional[Topology] = None
         # CUDA device for the zeros a joined rank contributes to GPU collectives (hvd.join).
         self.join_device: int = -1
+        # time.monotonic() at the start of the current cycle: the collective watchdog's only
+        # input from the hot path (see runtime/watchdog.py).
+        self.cycle_started = time.monotonic()
+        self.watchdog: Optional[Watchdog] = None
+        self._abandoned: List[TensorEntry] = []  # see abandon()
         self._thread = threading.Thread(target=self._run, name="aiak-engine", daemon=True)
         self.handles = HandleTable(alive=self._thread.is_alive,
                                    failure=lambda: self._fatal or hs.SHUT_DOWN)
@@ -69,8 +75,14 @@ class Engine:
         if self._init_error is not None:
             raise ValueError(f"Horovod initialization failed: {self._init_error}") \
                 from self._init_error
+        if self.watchdog is not None:
+            self.watchdog.start()
 
     def shutdown(self) -> None:
+        if self.watchdog is not None and self.watchdog.fired:
+            # The engine thread is stuck inside MPI: neither joining it nor MPI_Finalize
+            # could return, so the process ends here (exit code 75).
+            self.watchdog.exit_process()
         self._shutdown_requested = True
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -79,6 +91,24 @@ class Engine:
     @property
     def running(self) -> bool:
         return self._ready.is_set() and not self._stopped
+
+    @property
+    def thread_ident(self) -> Optional[int]:
+        """Thread id of the engine thread (the watchdog reads its stack when it fires)."""
+        return self._thread.ident
+
+    def abandon(self, reason: str) -> None:
+        """Fail every waiting operation with ``reason`` while the engine thread is stuck
+        (called by the watchdog from its own thread); later submissions raise too."""
+        self._fatal = reason
+        with self._lock:
+            states = list(self._sets.values())
+        for state in states:
+            # MPI may still write into these tensors if the stuck call ever returns: keep
+            # them alive until the process ends, whatever the caller drops.
+            self._abandoned.extend(state.entries.values())
+            self._completer.fail(state, list(state.entries), reason)
+        self._completer.notify()
 
     # ---- process sets ------------------------------------------------------------------
     def _register_set(self, set_id: int, ranks: List[int], comm: MPI.Comm) -> None:
@@ -203,6 +233,33 @@ class Engine:
         in flight or once :meth:`wait` has cleared it."""
         return self.handles.completion_time(handle)
 
+    # ---- read-only counters (leak checks) -------------------------------------------------
+    def open_handles(self) -> int:
+        """Handles created by :meth:`enqueue` and not yet cleared by :meth:`wait`: operations
+        in flight plus completed ones nobody waited for.  Zero on an idle rank whose caller
+        synchronized everything it submitted."""
+        return len(self.handles)
+
+    def counts(self) -> Dict[str, int]:
+        """Sizes of the engine's tables, summed over this rank's process sets: open handles,
+        entries and queued requests not yet executed, the negotiation tables (see
+        :meth:`Controller.counts`), the process sets known, and the fusion buffer's bytes.
+        In steady state none of them grows with the number of steps; a long run that sees
+        one grow has found a leak.  Reading them changes nothing."""
+        with self._lock:
+            states = list(self._sets.values())
+            out = {"open_handles": len(self.handles),
+                   "process_sets": len(self._sets),
+                   "foreign_process_sets": len(self._foreign_sets),
+                   "entries": sum(len(s.entries) for s in states),
+                   "queued_requests": sum(len(s.queue) for s in states)}
+        for state in states:
+            for key, value in state.controller.counts().items():
+                out[key] = out.get(key, 0) + value
+        out["fusion_buffer_bytes"] = self.executor.fusion_buffer_bytes
+        out["timeline_tensors"] = self.timeline.tensor_count
+        return out
+
     def run_control(self, set_id: int, op_type: OpType, name: str, payload=None):
         """Submit one control request (join, barrier, process-set changes) and wait for its
         result."""
@@ -220,6 +277,9 @@ class Engine:
             world.Set_errhandler(MPI.ERRORS_RETURN)
             self._register_set(0, list(range(world.Get_size())), world)
             self.topology = self._sets[0].topology
+            cfg = self.config
+            self.watchdog = Watchdog(self, world, cfg.collective_timeout_s, cfg.liveness_probe,
+                                     self.topology.hostnames[self.topology.rank] or None)
             for ranks in self._static_sets:
                 self._create_set(ranks)
             if self.config.timeline and self.config.timeline.upper() != "DYNAMIC" \
@@ -235,6 +295,7 @@ class Engine:
             cycle_s = self.config.cycle_time_ms / 1000.0
             while True:
                 started = time.monotonic()
+                self.cycle_started = started
                 self.timeline.mark_cycle()
                 stop, why = self._cycle()
                 if stop:
@@ -247,6 +308,9 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - every pending op must learn about it
             log.exception("aiak_training background thread failed")
             reason = f"The background thread failed: {type(exc).__name__}: {exc}"
+            if self.watchdog is not None:
+                # An MPI error usually means a peer vanished: name the ones that are gone.
+                reason += self.watchdog.lost_peers_note()
             self._fatal = reason
         finally:
             self._stop(reason)
@@ -283,6 +347,8 @@ class Engine:
         self._completer.finish(state, [resp], result=result)
 
     def _stop(self, reason: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         with self._lock:
             self._stopped = True
             states = list(self._sets.values())

@@ -127,6 +127,11 @@ class Executor:
             return _addr
         return TensorEntry(resp.names[index], dtype, shape, addr, addr, allocate=allocate)
 
+    @property
+    def fusion_buffer_bytes(self) -> int:
+        """Size of the reusable fusion buffer: it only grows, to the largest fused batch."""
+        return self._fusion.nbytes
+
     def _fusion_buffer(self, nbytes: int) -> int:
         if self._fusion.nbytes < nbytes:
             # Grow geometrically so a slowly growing workload does not reallocate every step.

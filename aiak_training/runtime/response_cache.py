@@ -27,6 +27,10 @@ class ResponseCache:
     def enabled(self) -> bool:
         return self.capacity > 0
 
+    def __len__(self) -> int:
+        """How many responses the cache holds now (at most ``capacity``)."""
+        return len(self._bit_of)
+
     def lookup(self, request: Request) -> Tuple[str, Optional[int]]:
         bit = self._bit_of.get(request.name)
         if bit is None:

@@ -37,10 +37,24 @@ class OutputPool:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        self.released = 0  # results whose memory came back (kept or let go)
 
     @property
     def cached_bytes(self) -> int:
         return self._cached
+
+    @property
+    def cached_blocks(self) -> int:
+        """Free blocks held for reuse."""
+        with self._lock:
+            return sum(len(blocks) for blocks in self._free.values())
+
+    @property
+    def outstanding(self) -> int:
+        """Pooled results handed out whose memory has not come back yet: the ones some
+        tensor still uses.  Leak checks expect it to stay bounded over a long run."""
+        with self._lock:
+            return self.hits + self.misses - self.released
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor, from the pool when it is large enough."""
@@ -69,6 +83,7 @@ class OutputPool:
     def _release(self, block: np.ndarray) -> None:
         size = block.nbytes
         with self._lock:
+            self.released += 1
             if self._cached + size > self.max_cached_bytes:
                 return  # over the cap: let the memory go back to the system
             self._free.setdefault(size, []).append(block)
