@@ -240,3 +240,42 @@ def test_unmodified_horovod_tensorflow_script_runs():
     lines = sorted(re.findall(r"r=\d .*", proc.stdout))
     assert lines == ["r=0 sum=3 gathered=[1.0, 2.0] grad=1.5",
                      "r=1 sum=3 gathered=[1.0, 2.0] grad=1.5"], proc.stdout
+
+
+@_needs_tf
+def test_unmodified_horovod_keras_scripts_run():
+    # `import horovod.tensorflow.keras as hvd` (and horovod.keras) under aiakrun
+    # --horovod-compat at 2 ranks: the names resolve to aiak_training's Keras frontend, and
+    # a model.fit with Horovod's optimizer and callbacks ends with the same weights on both.
+    script = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import keras
+        import horovod.tensorflow.keras as hvd
+        import horovod.keras
+        from horovod.tensorflow.keras.callbacks import BroadcastGlobalVariablesCallback
+        import aiak_training.keras as ours
+        assert hvd.__name__ == "horovod.tensorflow.keras", hvd.__name__
+        assert hvd.DistributedOptimizer is ours.DistributedOptimizer
+        assert horovod.keras.DistributedOptimizer is ours.DistributedOptimizer
+        assert BroadcastGlobalVariablesCallback is ours.callbacks.BroadcastGlobalVariablesCallback
+        assert horovod.keras.callbacks.MetricAverageCallback is \\
+            ours.callbacks.MetricAverageCallback
+        hvd.init()
+        rng = np.random.default_rng(hvd.rank())
+        x = rng.normal(size=(16, 3)).astype("float32")
+        y = x.sum(axis=1, keepdims=True)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss="mse")
+        model.fit(x, y, batch_size=4, epochs=2, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                             hvd.callbacks.MetricAverageCallback()])
+        w = np.concatenate([keras.ops.convert_to_numpy(v).ravel() for v in model.weights])
+        sys.stdout.write("r=%d weights=%s\\n" % (hvd.rank(), w.round(6).tolist()))
+        """)
+    proc = _aiakrun(["--horovod-compat", "-np", "2", sys.executable, "-c", script], [REPO],
+                    TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(re.findall(r"r=\d weights=.*", proc.stdout))
+    assert len(lines) == 2 and lines[0][4:] == lines[1][4:], proc.stdout

@@ -27,7 +27,13 @@ ALLOWED: Dict[str, Set[str]] = {
     "torch": {"common", "runtime", "fused_optim"},
     "tensorflow": {"common", "runtime"},
     "dgc": {"common", "runtime", "torch"},
+    # Keras 3 on either backend: an adapter over each framework's frontend.
+    "keras": {"common", "runtime", "tensorflow", "torch"},
+    # horovod.tensorflow.keras's name for aiak_training.keras: a facade above both.
+    "tensorflow.keras": {"keras"},
 }
+# Subpackages that form a layer of their own rather than part of their parent's.
+FACADES = {"tensorflow.keras"}
 
 
 def _module_name(path: str) -> str:
@@ -91,6 +97,8 @@ def _graph() -> Dict[str, Set[str]]:
 
 def _package(module: str) -> str:
     parts = module.split(".")
+    if ".".join(parts[1:3]) in FACADES:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else ""
 
 

@@ -34,7 +34,12 @@ def broadcast_object(obj: Any, root_rank: int, name: str, process_set: ProcessSe
 
 def allgather_object(obj: Any, name: str, process_set: ProcessSet) -> List[Any]:
     """Every member's ``obj``, in rank order (unpickled copies, this rank's too)."""
-    stream = io.BytesIO(_gathered_bytes(cloudpickle.dumps(obj), name, process_set))
-    members = array_ops.set_size(process_set)
-    # Each pickle ends with its own STOP opcode, so they are read back one after another.
-    return [cloudpickle.load(stream) for _ in range(members)]
+    data = _gathered_bytes(cloudpickle.dumps(obj), name, process_set)
+    stream = io.BytesIO(data)
+    # Each pickle ends with its own STOP opcode, so they are read back one after another
+    # until the bytes run out.  Counting them needs no engine query: by now a faster peer
+    # may have shut the job down, and this rank's engine with it.
+    objects = []
+    while stream.tell() < len(data):
+        objects.append(cloudpickle.load(stream))
+    return objects

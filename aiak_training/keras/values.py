@@ -1,0 +1,38 @@
+"""Collectives on Keras and numpy values (``hvd.allreduce(value)`` of Horovod's Keras API).
+
+A value is anything the backend turns into a tensor: a number, a list, a numpy array or a
+backend tensor.  Python numbers become float32/int32 tensors, as Horovod's Keras constants
+do.  Results are tensors of the backend (``tf.Tensor`` or ``torch.Tensor``); pass them to
+``keras.ops.convert_to_numpy`` for numpy.
+"""
+from typing import Any, Optional
+
+from aiak_training.keras import _backend
+
+_ops = _backend.adapter()
+Compression = _ops.Compression
+
+
+def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              op: Optional[int] = None, compression: Any = Compression.none) -> Any:
+    """Combine ``value`` (same shape on every rank) over all ranks with ``op`` (Average if
+    None; ``average`` is the deprecated form), scaled by the two factors."""
+    return _ops.allreduce(value, name, average, op, prescale_factor, postscale_factor,
+                          compression)
+
+
+def allgather(value: Any, name: Optional[str] = None) -> Any:
+    """Every rank's ``value`` concatenated along the first dimension, in rank order (the
+    first dimension may differ between ranks)."""
+    return _ops.allgather(value, name)
+
+
+def broadcast(value: Any, root_rank: int, name: Optional[str] = None) -> Any:
+    """``root_rank``'s ``value`` on every rank."""
+    return _ops.broadcast(value, root_rank, name)
+
+
+def reducescatter(value: Any, name: Optional[str] = None, op: int = _ops.Average) -> Any:
+    """Combine ``value`` over all ranks with ``op`` and keep this rank's block of rows."""
+    return _ops.reducescatter(value, name, op)
