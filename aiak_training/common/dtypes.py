@@ -6,8 +6,11 @@ the fused optimizers', DGC's) takes these codes.  Importing this module does not
 ``mpi4py.MPI`` (which initializes MPI): the fused optimizers use the codes without MPI.
 """
 import functools
+import warnings
 from enum import IntEnum
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Dict, Optional
+
+from aiak_training.common.horovod_strings import AVERAGE_DEPRECATED, OP_SUPERSEDES_AVERAGE
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -34,6 +37,17 @@ class ReduceOp(IntEnum):
     MIN = 3
     MAX = 4
     PRODUCT = 5
+
+
+def handle_average_backwards_compatibility(op: Optional[int], average: Optional[bool]) -> int:
+    """The reduce op a call asked for, from ``op`` and the deprecated ``average`` flag (every
+    frontend exports this under Horovod's name)."""
+    if average is None:
+        return int(ReduceOp.AVERAGE) if op is None else op
+    if op is not None:
+        raise ValueError(OP_SUPERSEDES_AVERAGE)
+    warnings.warn(AVERAGE_DEPRECATED, DeprecationWarning)
+    return int(ReduceOp.AVERAGE if average else ReduceOp.SUM)
 
 
 ITEMSIZE: Dict[DataType, int] = {

@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Sequence
 import keras
 import tensorflow as tf
 
-import aiak_training.tensorflow as _hvd
+import aiak_training.tensorflow as frontend  # the Horovod-style module values go through
 from aiak_training.runtime.process_sets import ProcessSet
 from aiak_training.tensorflow import (Adasum, Average, Compression, Max, Min,  # noqa: F401
                                       Product, Sum, ccl_built, cross_rank, cross_size,
@@ -26,7 +26,7 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], scope: str,
     ``aiak_training.tensorflow.allreduce_gradients`` for ``options``.  ``scope`` prefixes
     the names of the graph ops, which identify them across ranks."""
     with tf.name_scope(scope):
-        return _hvd.allreduce_gradients(list(grads), list(variables), **options)
+        return frontend.allreduce_gradients(list(grads), list(variables), **options)
 
 
 def is_sparse(grad: Any) -> bool:
@@ -46,36 +46,16 @@ def divide_gradient(grad: Any, divisor: float) -> Any:
     return grad / tf.cast(divisor, grad.dtype)
 
 
-def _tensor(value: Any) -> tf.Tensor:
+def to_tensor(value: Any) -> tf.Tensor:
     # Python floats become float32 tensors, as Horovod's Keras constants do.
     return tf.convert_to_tensor(value)
-
-
-def allreduce(value: Any, name: Optional[str], average: Optional[bool],
-              op: Optional[int], prescale_factor: float, postscale_factor: float,
-              compression: Any) -> tf.Tensor:
-    return _hvd.allreduce(_tensor(value), average=average, name=name, op=op,
-                          prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, compression=compression)
-
-
-def allgather(value: Any, name: Optional[str]) -> tf.Tensor:
-    return _hvd.allgather(_tensor(value), name=name)
-
-
-def broadcast(value: Any, root_rank: int, name: Optional[str]) -> tf.Tensor:
-    return _hvd.broadcast(_tensor(value), root_rank, name=name)
-
-
-def reducescatter(value: Any, name: Optional[str], op: int) -> tf.Tensor:
-    return _hvd.reducescatter(_tensor(value), name=name, op=op)
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int,
                         process_set: ProcessSet) -> None:
     """Overwrite Keras (or TensorFlow) variables with ``root_rank``'s values, in one
     operation."""
-    _hvd.broadcast_variables(list(variables), root_rank, process_set=process_set)
+    frontend.broadcast_variables(list(variables), root_rank, process_set=process_set)
 
 
 # A compiled TensorFlow step bakes Python hyperparameters in as constants when it is traced,

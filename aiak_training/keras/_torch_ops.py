@@ -9,7 +9,7 @@ from typing import Any, List, Optional, Sequence
 import numpy as np
 import torch
 
-import aiak_training.torch as _hvd
+import aiak_training.torch as frontend  # the Horovod-style module values go through
 from aiak_training.keras._groups import buckets
 from aiak_training.runtime.process_sets import ProcessSet
 from aiak_training.torch import (Adasum, Average, Compression, Max, Min,  # noqa: F401
@@ -40,7 +40,7 @@ def reduce_gradients(grads: Sequence[Optional[torch.Tensor]], variables: Sequenc
     pre, post = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
                  if op == Average else (1.0, 1.0))
     for k, bucket in enumerate(buckets(present, variables, groups)):
-        reduced = _hvd.grouped_allreduce([out[i] for i in bucket], name=f"{scope}.grads.{k}",
+        reduced = frontend.grouped_allreduce([out[i] for i in bucket], name=f"{scope}.grads.{k}",
                                          compression=compression, op=op, prescale_factor=pre,
                                          postscale_factor=post, process_set=process_set)
         for i, g in zip(bucket, reduced):
@@ -60,7 +60,7 @@ def divide_gradient(grad: torch.Tensor, divisor: float) -> torch.Tensor:
     return grad / divisor
 
 
-def _tensor(value: Any) -> torch.Tensor:
+def to_tensor(value: Any) -> torch.Tensor:
     # Python floats become float32 tensors (torch's default), as TensorFlow's constants do.
     if torch.is_tensor(value):
         return value
@@ -69,35 +69,15 @@ def _tensor(value: Any) -> torch.Tensor:
     return torch.as_tensor(value)
 
 
-def allreduce(value: Any, name: Optional[str], average: Optional[bool],
-              op: Optional[int], prescale_factor: float, postscale_factor: float,
-              compression: Any) -> torch.Tensor:
-    return _hvd.allreduce(_tensor(value), average=average, name=name, op=op,
-                          prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, compression=compression)
-
-
-def allgather(value: Any, name: Optional[str]) -> torch.Tensor:
-    return _hvd.allgather(_tensor(value), name=name)
-
-
-def broadcast(value: Any, root_rank: int, name: Optional[str]) -> torch.Tensor:
-    return _hvd.broadcast(_tensor(value), root_rank, name=name)
-
-
-def reducescatter(value: Any, name: Optional[str], op: int) -> torch.Tensor:
-    return _hvd.reducescatter(_tensor(value), name=name, op=op)
-
-
 def broadcast_variables(variables: Sequence[Any], root_rank: int,
                         process_set: ProcessSet) -> None:
     """Overwrite Keras variables with ``root_rank``'s values: all broadcasts are in flight
     together, then each result is assigned (assignment, not an in-place write, because
     parameters are autograd leaves)."""
-    handles = [_hvd.broadcast_async(v.value.detach(), root_rank, process_set=process_set)
+    handles = [frontend.broadcast_async(v.value.detach(), root_rank, process_set=process_set)
                for v in variables]
     for variable, handle in zip(variables, handles):
-        variable.assign(_hvd.synchronize(handle))
+        variable.assign(frontend.synchronize(handle))
 
 
 # Keras runs torch steps eagerly, reading ``optimizer.momentum`` afresh at every update.

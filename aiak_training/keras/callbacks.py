@@ -99,8 +99,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
                   for n in names]
         flat = np.concatenate([v.reshape(-1) for v in values])
         averaged = keras.ops.convert_to_numpy(
-            _ops.allreduce(flat, "MetricAverageCallback", None, _ops.Average, 1.0, 1.0,
-                           _ops.Compression.none))
+            _ops.frontend.allreduce(_ops.to_tensor(flat), name="MetricAverageCallback",
+                                    op=_ops.Average))
         start = 0
         for name, value in zip(names, values):
             part = averaged[start:start + value.size].reshape(value.shape)

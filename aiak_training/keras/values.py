@@ -18,21 +18,22 @@ def allreduce(value: Any, name: Optional[str] = None, average: Optional[bool] = 
               op: Optional[int] = None, compression: Any = Compression.none) -> Any:
     """Combine ``value`` (same shape on every rank) over all ranks with ``op`` (Average if
     None; ``average`` is the deprecated form), scaled by the two factors."""
-    return _ops.allreduce(value, name, average, op, prescale_factor, postscale_factor,
-                          compression)
+    return _ops.frontend.allreduce(_ops.to_tensor(value), average=average, name=name, op=op,
+                                   prescale_factor=prescale_factor,
+                                   postscale_factor=postscale_factor, compression=compression)
 
 
 def allgather(value: Any, name: Optional[str] = None) -> Any:
     """Every rank's ``value`` concatenated along the first dimension, in rank order (the
     first dimension may differ between ranks)."""
-    return _ops.allgather(value, name)
+    return _ops.frontend.allgather(_ops.to_tensor(value), name=name)
 
 
 def broadcast(value: Any, root_rank: int, name: Optional[str] = None) -> Any:
     """``root_rank``'s ``value`` on every rank."""
-    return _ops.broadcast(value, root_rank, name)
+    return _ops.frontend.broadcast(_ops.to_tensor(value), root_rank, name=name)
 
 
 def reducescatter(value: Any, name: Optional[str] = None, op: int = _ops.Average) -> Any:
     """Combine ``value`` over all ranks with ``op`` and keep this rank's block of rows."""
-    return _ops.reducescatter(value, name, op)
+    return _ops.frontend.reducescatter(_ops.to_tensor(value), name=name, op=op)

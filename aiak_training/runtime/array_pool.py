@@ -53,6 +53,19 @@ class ArrayPool:
     def cached_bytes(self) -> int:
         return self._cached
 
+    @property
+    def cached_blocks(self) -> int:
+        """Free blocks held for reuse."""
+        with self._lock:
+            return sum(len(blocks) for blocks in self._free.values())
+
+    @property
+    def outstanding(self) -> int:
+        """Pooled results handed out whose memory has not come back yet: the ones something
+        still uses.  Leak checks expect it to stay bounded over a long run."""
+        with self._lock:
+            return self.hits + self.misses - self.released
+
     def empty(self, shape: Sequence[int], dtype) -> np.ndarray:
         """An uninitialized C-contiguous array whose data starts on an :data:`ALIGN`
         boundary; large ones reuse memory that earlier results gave back."""

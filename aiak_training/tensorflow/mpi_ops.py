@@ -15,15 +15,13 @@ What holds for all of them:
   ``reducescatter`` of the package default to ``Average``), as in Horovod.
 * Floating-point results are differentiable, with Horovod's gradients.
 """
-import warnings
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
 
-from aiak_training.common.dtypes import ReduceOp
+from aiak_training.common.dtypes import ReduceOp, handle_average_backwards_compatibility  # noqa: F401
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
-from aiak_training.common.horovod_strings import AVERAGE_DEPRECATED, OP_SUPERSEDES_AVERAGE
 from aiak_training.runtime import array_ops, current
 from aiak_training.runtime import basics as _basics
 from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank,  # noqa: F401
@@ -54,16 +52,6 @@ def init(comm=None, process_sets=None) -> None:
 
 
 init.__doc__ = _basics.init.__doc__
-
-
-def handle_average_backwards_compatibility(op: Optional[int], average: Optional[bool]) -> int:
-    """The reduce op a call asked for, from ``op`` and the deprecated ``average`` flag."""
-    if average is None:
-        return Average if op is None else op
-    if op is not None:
-        raise ValueError(OP_SUPERSEDES_AVERAGE)
-    warnings.warn(AVERAGE_DEPRECATED, DeprecationWarning)
-    return Average if average else Sum
 
 
 def check_num_rank_power_of_2(num_rank: int) -> bool:

@@ -20,7 +20,6 @@ What holds for every collective below, so that each docstring can stay short:
 """
 import itertools
 import threading
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -34,9 +33,8 @@ from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank
                                          mpi_threads_supported, nccl_built, rank,
                                          remove_process_set, rocm_built, shutdown, size,
                                          start_timeline, stop_timeline)
-from aiak_training.common.dtypes import DataType, ReduceOp
-from aiak_training.common.horovod_strings import (AVERAGE_DEPRECATED, OP_SUPERSEDES_AVERAGE,
-                                                  TENSOR_TYPE_NOT_SUPPORTED)
+from aiak_training.common.dtypes import DataType, ReduceOp, handle_average_backwards_compatibility
+from aiak_training.common.horovod_strings import TENSOR_TYPE_NOT_SUPPORTED
 from aiak_training.runtime.entries import TensorEntry, unknown_handle
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
 from aiak_training.common.messages import OpType, Request
@@ -77,16 +75,6 @@ def init(comm=None, process_sets=None) -> None:
 
 
 init.__doc__ = _basics.init.__doc__
-
-
-def handle_average_backwards_compatibility(op: Optional[int], average: Optional[bool]) -> int:
-    """The reduce op a call asked for, from ``op`` and the deprecated ``average`` flag."""
-    if average is None:
-        return Average if op is None else op
-    if op is not None:
-        raise ValueError(OP_SUPERSEDES_AVERAGE)
-    warnings.warn(AVERAGE_DEPRECATED, DeprecationWarning)
-    return Average if average else Sum
 
 
 # ---- helpers ------------------------------------------------------------------------------
