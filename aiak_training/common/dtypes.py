@@ -39,15 +39,19 @@ class ReduceOp(IntEnum):
     PRODUCT = 5
 
 
+# Horovod's module-level names for the reduce ops, as plain ints, for every frontend.
+Average, Sum, Adasum, Min, Max, Product = (int(op) for op in ReduceOp)
+
+
 def handle_average_backwards_compatibility(op: Optional[int], average: Optional[bool]) -> int:
     """The reduce op a call asked for, from ``op`` and the deprecated ``average`` flag (every
     frontend exports this under Horovod's name)."""
     if average is None:
-        return int(ReduceOp.AVERAGE) if op is None else op
+        return Average if op is None else op
     if op is not None:
         raise ValueError(OP_SUPERSEDES_AVERAGE)
     warnings.warn(AVERAGE_DEPRECATED, DeprecationWarning)
-    return int(ReduceOp.AVERAGE if average else ReduceOp.SUM)
+    return Average if average else Sum
 
 
 ITEMSIZE: Dict[DataType, int] = {

@@ -20,7 +20,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
-from aiak_training.common.dtypes import ReduceOp, handle_average_backwards_compatibility  # noqa: F401
+from aiak_training.common.dtypes import (Adasum, Average, Max, Min, Product, Sum,  # noqa: F401
+                                         handle_average_backwards_compatibility)
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
 from aiak_training.runtime import array_ops, current
 from aiak_training.runtime import basics as _basics
@@ -34,12 +35,6 @@ from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set  # noqa: F401
 from aiak_training.tensorflow import _bridge
 
-Average = int(ReduceOp.AVERAGE)
-Sum = int(ReduceOp.SUM)
-Adasum = int(ReduceOp.ADASUM)
-Min = int(ReduceOp.MIN)
-Max = int(ReduceOp.MAX)
-Product = int(ReduceOp.PRODUCT)
 
 TensorLike = Union[tf.Tensor, tf.Variable, np.ndarray, Sequence]
 

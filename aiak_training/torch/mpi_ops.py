@@ -33,8 +33,11 @@ from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank
                                          mpi_threads_supported, nccl_built, rank,
                                          remove_process_set, rocm_built, shutdown, size,
                                          start_timeline, stop_timeline)
-from aiak_training.common.dtypes import DataType, ReduceOp, handle_average_backwards_compatibility
+from aiak_training.common.dtypes import (Adasum, Average, DataType, Max, Min,  # noqa: F401
+                                         Product, ReduceOp, Sum,
+                                         handle_average_backwards_compatibility)
 from aiak_training.common.horovod_strings import TENSOR_TYPE_NOT_SUPPORTED
+from aiak_training.runtime import array_ops
 from aiak_training.runtime.entries import TensorEntry, unknown_handle
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
 from aiak_training.common.messages import OpType, Request
@@ -43,12 +46,6 @@ from aiak_training.torch.compression import Compression, Compressor
 from aiak_training.torch import cuda as _cuda
 from aiak_training.torch import output_pool
 
-Average = int(ReduceOp.AVERAGE)
-Sum = int(ReduceOp.SUM)
-Adasum = int(ReduceOp.ADASUM)
-Min = int(ReduceOp.MIN)
-Max = int(ReduceOp.MAX)
-Product = int(ReduceOp.PRODUCT)
 
 _DTYPES = {
     torch.uint8: DataType.UINT8, torch.int8: DataType.INT8, torch.int16: DataType.INT16,
@@ -649,26 +646,12 @@ def alltoall_async(tensor: torch.Tensor,
         raise ValueError("alltoall requires a tensor of rank >= 1 (got a scalar).")
     n = process_set.size() if process_set.process_set_id else size()
     dim0 = tensor.shape[0]
-    if splits is None:
-        if dim0 % n != 0:
-            raise ValueError(f"alltoall: tensor dimension 0 ({dim0}) is not divisible by the "
-                             f"number of processes ({n}); pass splits explicitly.")
-        split_list = [dim0 // n] * n
-    else:
-        if isinstance(splits, torch.Tensor):
-            if splits.dtype != torch.int32:
-                raise ValueError(f"alltoall: splits must be an int32 tensor, got {splits.dtype}.")
-            split_list = [int(s) for s in splits.reshape(-1).tolist()]
-        else:
-            split_list = [int(s) for s in splits]
-        if len(split_list) != n:
-            raise ValueError(f"alltoall: splits has {len(split_list)} entries; expected one per "
-                             f"process ({n}).")
-        if any(s < 0 for s in split_list):
-            raise ValueError("alltoall: splits must be non-negative.")
-        if sum(split_list) > dim0:
-            raise ValueError(f"alltoall: sum of splits ({sum(split_list)}) exceeds tensor "
-                             f"dimension 0 ({dim0}).")
+    given = splits
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype != torch.int32:
+            raise ValueError(f"alltoall: splits must be an int32 tensor, got {splits.dtype}.")
+        given = splits.reshape(-1).tolist()
+    split_list = array_ops.alltoall_splits(dim0, given, n)
     src = tensor.contiguous()
     outputs: List[Optional[torch.Tensor]] = [None]
 
