@@ -21,12 +21,12 @@ momentum correction (Horovod's) changes it between batches.  On the TensorFlow b
 wrapper therefore mirrors the float into a variable and lets the traced update read that
 variable (``_tf_ops._LiveFloat``); on torch, steps run eagerly and read the float anyway.
 """
-import warnings
 from typing import Any, Dict, List, Optional
 
 import keras
 
 from aiak_training.common import horovod_strings as hs
+from aiak_training.common.groups import fold_num_groups
 from aiak_training.keras import _backend
 from aiak_training.keras._accumulation import Accumulation
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
@@ -179,16 +179,6 @@ def _adopt_state(new: keras.optimizers.Optimizer, old: keras.optimizers.Optimize
         target.assign(source)
 
 
-def _check_groups(num_groups: int, groups: Any) -> Any:
-    if num_groups != 0:
-        warnings.warn(hs.NUM_GROUPS_DEPRECATED, DeprecationWarning)
-        if groups is None:
-            groups = num_groups
-    if groups is not None and not (isinstance(groups, list) or groups > 0):
-        raise ValueError(hs.GROUPS_TYPE_TF)
-    return groups
-
-
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
                          device_dense: str = '', device_sparse: str = '',
                          compression: Any = Compression.none, sparse_as_dense: bool = False,
@@ -234,7 +224,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer "
                          f"(keras.optimizers.Optimizer); got {type(optimizer).__name__}.")
-    groups = _check_groups(num_groups, groups)
+    groups = fold_num_groups(num_groups, groups)
     cls = _distributed_class(optimizer)
     wrapped = cls.from_config(optimizer.get_config())
     accumulation = (Accumulation(backward_passes_per_step, average_aggregated_gradients,

@@ -6,12 +6,12 @@ variables that got none, ``tf.IndexedSlices`` for sparse ones) and returns them 
 over a process set.  Dense gradients travel together as one grouped allreduce (one
 submission, so the engine fuses them, and one graph op); sparse ones are gathered.
 """
-import warnings
 from typing import Any, Dict, List, Optional, Sequence, Type, Union
 
 import tensorflow as tf
 
 from aiak_training.common import horovod_strings as hs
+from aiak_training.common.groups import fold_num_groups
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow.compression import Compression, Compressor
 from aiak_training.tensorflow.mpi_ops import Average
@@ -27,13 +27,7 @@ def check_gradient_options(op: int, gradient_predivide_factor: float, num_groups
     deprecated ``num_groups`` folded in."""
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError(hs.PREDIVIDE_NEEDS_AVERAGE)
-    if num_groups != 0:
-        warnings.warn(hs.NUM_GROUPS_DEPRECATED, DeprecationWarning)
-        if groups is None:
-            groups = num_groups
-    if groups is not None and not (isinstance(groups, list) or groups > 0):
-        raise ValueError(hs.GROUPS_TYPE_TF)
-    return groups
+    return fold_num_groups(num_groups, groups)
 
 
 def source_key(source) -> object:
