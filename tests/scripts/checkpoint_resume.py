@@ -147,15 +147,16 @@ def main() -> None:
                     if not control:
                         opt.load_state_dict(state["opt"])
                 if loading == "broadcast":
-                    # The optimizer state first: on the ranks that loaded nothing it is
-                    # created by a step on zero gradients, which moves the weights (AdamW's
-                    # decay); the parameters broadcast afterwards undo that.
+                    # The optimizer state first, then the parameters: the order that was exact
+                    # even before broadcast_optimizer_state put the parameters back after its
+                    # state-creating step.
                     if not control:
                         hvd.broadcast_optimizer_state(opt, root_rank=0)
                     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
                 elif loading == "broadcast_params_first":
-                    # Horovod's documented order: the other ranks' weights then move in the
-                    # state-creating step above, after the broadcast (see the test's xfail).
+                    # Horovod's documented order: exact only because the state-creating step
+                    # (a step on zero gradients, which AdamW's decay would let move the
+                    # weights) restores the parameters it touched.
                     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
                     if not control:
                         hvd.broadcast_optimizer_state(opt, root_rank=0)
