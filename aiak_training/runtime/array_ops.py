@@ -25,6 +25,7 @@ from aiak_training.common.messages import OpType, Request
 from aiak_training.runtime import array_pool, current
 from aiak_training.runtime.array_pool import ALIGN  # noqa: F401 - re-exported
 from aiak_training.runtime.entries import TensorEntry
+from aiak_training.runtime.engine import Engine
 from aiak_training.runtime.process_sets import ProcessSet
 
 
@@ -112,9 +113,10 @@ class Names:
 
 
 # ---- process sets ---------------------------------------------------------------------------
-def set_rank(process_set: ProcessSet) -> int:
-    """This process's rank in ``process_set``; ``ValueError`` if it is not a member."""
-    engine = current.engine()
+def set_rank(process_set: ProcessSet, engine: Optional[Engine] = None) -> int:
+    """This process's rank in ``process_set``; ``ValueError`` if it is not a member.
+    ``engine``: the running engine, when the caller already holds it."""
+    engine = engine or current.engine()
     sid = process_set.process_set_id
     if sid is None:
         raise ValueError(f"{process_set} has not been registered (hvd.add_process_set).")

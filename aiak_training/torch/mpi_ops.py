@@ -18,8 +18,6 @@ What holds for every collective below, so that each docstring can stay short:
   deprecated older switch (True: Average, False: Sum); give one of the two, not both.
   ``prescale_factor`` and ``postscale_factor`` multiply the data before and after reducing.
 """
-import itertools
-import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -58,9 +56,6 @@ _DTYPES = {
 _handle_map: Dict[int, Callable[[Any], Any]] = {}
 # user handle of a CUDA operation -> all its engine handles (poll also asks the device)
 _gpu_handles: Dict[int, List[int]] = {}
-# Auto-generated names count per process set: they must agree among a set's members only.
-_noname: Dict[int, "itertools.count"] = {}
-_noname_lock = threading.Lock()
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -68,7 +63,7 @@ def init(comm=None, process_sets=None) -> None:
         return
     _basics.init(comm, process_sets)
     _handle_map.clear()
-    _noname.clear()
+    array_ops.reset_names()
 
 
 init.__doc__ = _basics.init.__doc__
@@ -109,54 +104,19 @@ def _check_op(op: int, tensor: torch.Tensor) -> ReduceOp:
     return rop
 
 
-class _Names:
-    """Op names, made only once an op is known to be valid.
-
-    Auto-generated names count successful submissions, so ranks that take a different
-    error path (an invalid call that raises) still agree on the next generated name.
-    """
-
-    def __init__(self, prefix: str, name: Optional[str], group: Optional[int] = None):
-        self.prefix, self.name, self.group = prefix, name, group
-
-    def resolve(self, count: int, set_id: int) -> List[str]:
-        if self.name:
-            base = f"{self.prefix}.{self.name}"
-        else:
-            with _noname_lock:
-                counter = _noname.setdefault(set_id, itertools.count())
-                base = f"{self.prefix}.noname.{next(counter)}"
-        if self.group is None:
-            return [base]
-        return [f"{base}_{i}" for i in range(count)]
-
-
-def _name(prefix: str, name: Optional[str]) -> "_Names":
-    return _Names(prefix, name)
-
-
-def _set_rank(engine, process_set: ProcessSet) -> int:
-    sid = process_set.process_set_id
-    if sid is None:
-        raise ValueError(f"{process_set} has not been registered (hvd.add_process_set).")
-    set_rank = engine.rank_in_set(sid)
-    if set_rank is not None:
-        return set_rank
-    ranks, _, set_rank = engine.process_set_info(sid)  # raises if the set is unknown
-    if set_rank is None:
-        raise ValueError(f"Rank {engine.topology.rank} is not part of {process_set}; only its "
-                         f"members {ranks} may run collectives on it.")
-    return set_rank
+def _name(prefix: str, name: Optional[str]) -> array_ops.Names:
+    """Names of a single-tensor op: ``<prefix>.<name>``, or generated (see ``Names``)."""
+    return array_ops.Names(prefix, f"{prefix}.{name}" if name else None)
 
 
 def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tensor]]],
-            names: "_Names", process_set: ProcessSet, finish: Callable[[List[Any]], Any],
+            names: array_ops.Names, process_set: ProcessSet, finish: Callable[[List[Any]], Any],
             allocate: Optional[Callable[[int], Callable]] = None, **fields) -> int:
     """Enqueue one request per (input, output) pair; return a single user handle."""
     if not pairs:
         raise ValueError("Expected at least one tensor.")
     engine = current.engine()
-    set_rank = _set_rank(engine, process_set)
+    set_rank = array_ops.set_rank(process_set, engine)
     dtypes = [_dtype(inp) for inp, _ in pairs]  # all valid before a name is taken
     on_gpu = pairs[0][0].is_cuda
     if len(pairs) > 1 and any(inp.is_cuda != on_gpu for inp, _ in pairs):
@@ -349,8 +309,8 @@ def _compressed(compression: Type[Compressor], tensors: Sequence[torch.Tensor],
 
 
 # ---- allreduce ----------------------------------------------------------------------------
-def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor], names: "_Names",
-                     op: int, prescale_factor: float, postscale_factor: float,
+def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor],
+                     names: array_ops.Names, op: int, prescale_factor: float, postscale_factor: float,
                      process_set: ProcessSet, finish) -> int:
     # Callers have checked the tensors (_check_tensor) before making them contiguous.
     if not tensors:
@@ -421,8 +381,8 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                                         postscale_factor, process_set))
 
 
-def _group_names(prefix: str, name: Optional[str], n: int) -> "_Names":
-    return _Names(prefix, name, group=n)
+def _group_names(prefix: str, name: Optional[str]) -> array_ops.Names:
+    return array_ops.Names(prefix, f"{prefix}.{name}" if name else None, grouped=True)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -439,7 +399,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
         _check_tensor(t)
     srcs = [t.contiguous() for t in tensors]
     outputs = [output_pool.empty_like(t) for t in srcs]
-    return _allreduce_async(srcs, outputs, _group_names("grouped_allreduce", name, len(srcs)),
+    return _allreduce_async(srcs, outputs, _group_names("grouped_allreduce", name),
                             op, prescale_factor, postscale_factor, process_set,
                             lambda _: tuple(outputs))
 
@@ -460,7 +420,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
             copy_back()
         return tuple(tensors)
     ws = [w for w, _ in works]
-    return _allreduce_async(ws, ws, _group_names("grouped_allreduce", name, len(ws)), op,
+    return _allreduce_async(ws, ws, _group_names("grouped_allreduce", name), op,
                             prescale_factor, postscale_factor, process_set, finish)
 
 
@@ -562,7 +522,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
                             process_set: ProcessSet = global_process_set) -> int:
     """:func:`allgather_async` of several tensors as one operation, matched across ranks by
     list position; ``synchronize`` returns a tuple in list order."""
-    return _allgather_async(list(tensors), _group_names("grouped_allgather", name, len(tensors)),
+    return _allgather_async(list(tensors), _group_names("grouped_allgather", name),
                             process_set, tuple)
 
 
@@ -730,7 +690,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
     """:func:`reducescatter_async` of several tensors as one operation, matched across ranks
     by list position; ``synchronize`` returns a tuple in list order."""
     return _reducescatter_async(list(tensors),
-                                _group_names("grouped_reducescatter", name, len(tensors)), op,
+                                _group_names("grouped_reducescatter", name), op,
                                 prescale_factor, postscale_factor, process_set, tuple)
 
 
@@ -792,5 +752,5 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every member of ``process_set`` (all ranks by default) has called
     barrier."""
     engine = current.engine()
-    _set_rank(engine, process_set)  # raises for a set this rank is not in
+    array_ops.set_rank(process_set, engine)  # raises for a set this rank is not in
     engine.run_control(process_set.process_set_id, OpType.BARRIER, "barrier")
