@@ -68,13 +68,13 @@ def _sources(pattern: str):
     return [os.path.relpath(f, HERE) for f in files]
 
 
-def _extension(name: str, pattern: str):
+def _extension(name: str, *patterns: str):
     return Pybind11Extension(
         name,
-        _sources(pattern),
+        [src for pattern in patterns for src in _sources(pattern)],
         include_dirs=[os.path.join(HERE, "csrc")],
         extra_compile_args=BASE_FLAGS,
-        extra_link_args=["-pthread"],
+        extra_link_args=["-pthread", "-ldl"],
         language="c++",
     )
 
@@ -154,7 +154,8 @@ def _install_requires():
     return reqs
 
 
-ext_modules = [_extension("aiak_training._native", "csrc/native/*.cpp")]
+# The engine (csrc/engine/) shares _native with the kernels it calls.
+ext_modules = [_extension("aiak_training._native", "csrc/native/*.cpp", "csrc/engine/*.cpp")]
 if _sources("csrc/fused_optim/*.cpp"):
     ext_modules.append(_extension("aiak_training.fused_optim._cpu", "csrc/fused_optim/*.cpp"))
 if _sources("csrc/dgc/*.cpp"): ext_modules.append(_extension("aiak_training.dgc._dgc_cpu", "csrc/dgc/*.cpp"))

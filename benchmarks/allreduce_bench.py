@@ -29,6 +29,19 @@ Ratios (above 1 means aiak-training is better):
                             packed in 25 MiB buckets (what DDP does, averaging included),
                             divided by hvd.grouped_allreduce_ time. Target >= 1.0.
 
+Two figures of this mode are costs, where lower is better:
+
+  per_tensor_overhead_us    what the engine spends per small tensor beyond raw MPI on the
+                            fused path, in microseconds (not a ratio): (small200_fused -
+                            raw_mpi_small200_packed - api_floor_small200) / 200 * 1e6, from
+                            the medians of the same run. Target <= 3.
+  gil_contention_slowdown   hvd.grouped_allreduce_async_ of the ResNet-50-shaped set, then
+                            completion, while the main thread runs pure-Python bytecode that
+                            holds the GIL (chunks of about 30 us, hvd.poll between chunks;
+                            rn50_grouped_busy_main), divided by the same with the main
+                            thread idle in hvd.synchronize (rn50_grouped_idle_main). Both
+                            ranks do the busy work. Target <= 1.1.
+
 Algorithm mode (--algos): times the allreduce algorithms of aiak_training.allreduce directly
 (exactly what the engine calls on a fused buffer), one fp32 buffer per size, interleaved
 A B C A B C after warm-up, on an emulated cluster, e.g.::
@@ -69,6 +82,7 @@ import argparse
 import math
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -83,6 +97,38 @@ from bench_common import (interleave, link_gbit, machine_info, report, resnet50_
                           summarize, timed)
 
 BUCKET_BYTES = 25 * 1024 * 1024
+BUSY_CHUNK_TARGET_S = 30e-6  # pure-Python work between two hvd.poll calls (busy variant)
+
+
+def _busy_chunk(iters: int, scratch: dict) -> int:
+    """Pure-Python bytecode that holds the GIL throughout: integer arithmetic and dict
+    stores, no sleeps and no calls into C that release the GIL."""
+    acc = 0
+    for i in range(iters):
+        acc = (acc * 31 + i) & 0xFFFFF
+        scratch[i & 63] = acc
+    return acc
+
+
+def _calibrate_busy_chunk(target_s: float = BUSY_CHUNK_TARGET_S):
+    """Iterations of :func:`_busy_chunk` that take about ``target_s`` on this rank, and the
+    measured seconds of one such chunk (median of a few trials)."""
+    scratch: dict = {}
+    _busy_chunk(100_000, scratch)  # warm up
+    trials = []
+    for _ in range(5):
+        start = time.perf_counter()
+        _busy_chunk(200_000, scratch)
+        trials.append((time.perf_counter() - start) / 200_000)
+    per_iter = float(np.median(trials))
+    iters = max(1, int(round(target_s / per_iter)))
+    chunk = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(100):
+            _busy_chunk(iters, scratch)
+        chunk.append((time.perf_counter() - start) / 100)
+    return iters, float(np.median(chunk))
 
 
 def parse_args():
@@ -122,6 +168,7 @@ def main():
     rank, size = comm.Get_rank(), comm.Get_size()
     barrier = comm.Barrier
     engine = current.engine()
+    engine_kind = getattr(engine, "kind", "python")
 
     shapes = resnet50_shapes()
     total = sum(math.prod(s) for s in shapes)
@@ -182,13 +229,36 @@ def main():
                 table.pop(h)
         return timed(body, barrier)
 
+    # GIL contention: the same in-place grouped allreduce, with the main thread idle in
+    # synchronize, or busy with pure-Python work (polling between chunks) until it is done.
+    busy_iters, busy_chunk_s = _calibrate_busy_chunk()
+    busy_scratch: dict = {}
+
+    def rn50_idle_main():
+        def body():
+            h = hvd.grouped_allreduce_async_(grads, name="gil")
+            hvd.synchronize(h)
+        return timed(body, barrier)
+
+    def rn50_busy_main():
+        def body():
+            h = hvd.grouped_allreduce_async_(grads, name="gil")
+            while True:
+                _busy_chunk(busy_iters, busy_scratch)
+                if hvd.poll(h):
+                    break
+            hvd.synchronize(h)  # already done: only hands back the result
+        return timed(body, barrier)
+
     variants = {"raw_mpi_allreduce": raw_mpi, "hvd_grouped_allreduce": grouped,
                 "hvd_grouped_allreduce_inplace": grouped_inplace,
                 "small200_fused": small_tensors(default_threshold),
                 "small200_unfused": small_tensors(0),
                 "raw_mpi_small200_unfused": raw_small_unfused,
                 "raw_mpi_small200_packed": raw_small_packed,
-                "api_floor_small200": api_floor}
+                "api_floor_small200": api_floor,
+                "rn50_grouped_idle_main": rn50_idle_main,
+                "rn50_grouped_busy_main": rn50_busy_main}
 
     if not args.no_gloo:
         port = comm.bcast(_free_port() if rank == 0 else None, root=0)
@@ -225,6 +295,12 @@ def main():
         "raw_mpi_small200_unfused": {"tensors": 200, "elements": 1024},
         "raw_mpi_small200_packed": {"tensors": 200, "elements": 1024},
         "api_floor_small200": {"tensors": 200, "elements": 1024},
+        "rn50_grouped_idle_main": {"bytes": total * 4, "tensors": len(shapes),
+                                   "main_thread": "idle in synchronize"},
+        "rn50_grouped_busy_main": {"bytes": total * 4, "tensors": len(shapes),
+                                   "main_thread": "pure-Python busy work, poll between chunks",
+                                   "chunk_us": round(busy_chunk_s * 1e6, 2),
+                                   "chunk_iters": busy_iters},
         "gloo_ddp_buckets": {"bytes": total * 4, "bucket_bytes": BUCKET_BYTES},
     }
     # Rank 0 reports; every rank timed between the same barriers.
@@ -239,12 +315,20 @@ def main():
         "fusion_small_bound_api":
             (med["raw_mpi_small200_unfused"] + med["api_floor_small200"])
             / (med["raw_mpi_small200_packed"] + med["api_floor_small200"]),
+        # Costs, lower is better (see --help).
+        "per_tensor_overhead_us":
+            (med["small200_fused"] - med["raw_mpi_small200_packed"] - med["api_floor_small200"])
+            / 200 * 1e6,
+        "gil_contention_slowdown": med["rn50_grouped_busy_main"] / med["rn50_grouped_idle_main"],
     }
     if "gloo_ddp_buckets" in med:
         ratios["vs_gloo_ddp_buckets"] = med["gloo_ddp_buckets"] / med["hvd_grouped_allreduce_inplace"]
     if rank == 0:
-        report("allreduce_bench", machine_info(size, args.layout, args.link_gbit), results,
-               ratios, args.json)
+        machine = machine_info(size, args.layout, args.link_gbit)
+        machine["engine"] = engine_kind
+        report("allreduce_bench", machine, results, ratios, args.json)
+        print("  (per_tensor_overhead_us is a cost in us, target <= 3; gil_contention_slowdown "
+              "target <= 1.1: for these two, lower is better)")
     if not args.no_gloo:
         dist.destroy_process_group()
     hvd.shutdown()
@@ -319,8 +403,9 @@ def run_cuda(args) -> None:
               "gpu_pack_bandwidth_fraction": 2 * med["d2d_copy"] / med["engine_pack_unpack"]}
     if comm.Get_rank() == 0:
         gpu = f"{torch.cuda.get_device_name(dev)} (NCCL {nccl.nccl_version_text(lib)})"
-        report("allreduce_bench_cuda", machine_info(comm.Get_size(), args.layout, None, gpu=gpu),
-               results, ratios, args.json)
+        machine = machine_info(comm.Get_size(), args.layout, None, gpu=gpu)
+        machine["engine"] = getattr(current.engine(), "kind", "python")
+        report("allreduce_bench_cuda", machine, results, ratios, args.json)
     raw_comm.destroy()
     hvd.shutdown()
 

@@ -62,6 +62,17 @@ class Config:
     # The watchdog's liveness probe: a small TCP listener per rank that lets the watchdog name
     # the peers that are gone.  AIAK_LIVENESS_PROBE.
     liveness_probe: bool = True
+    # Which engine runs the background loop: "native" (C++, csrc/engine/) or "python" (the
+    # fallback, kept for one release).  AIAK_ENGINE.
+    engine: str = "native"
+
+    def __setattr__(self, name: str, value) -> None:
+        # A running native engine holds copies of some settings (fusion threshold, ...): it
+        # registers ``on_change`` to hear of changes made while it runs.
+        object.__setattr__(self, name, value)
+        listener = self.__dict__.get("on_change")
+        if listener is not None and name != "on_change":
+            listener(name, value)
 
     @classmethod
     def from_env(cls) -> "Config":
@@ -86,4 +97,5 @@ class Config:
             collective_timeout_s=env_float("AIAK_COLLECTIVE_TIMEOUT_SECONDS",
                                            cls.collective_timeout_s, minimum=0.0),
             liveness_probe=env_bool("AIAK_LIVENESS_PROBE", True),
+            engine=env_choice("AIAK_ENGINE", "native", ("native", "python")),
         )

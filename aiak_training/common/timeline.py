@@ -7,7 +7,7 @@ or Perfetto.
 import json
 import threading
 import time
-from typing import Dict, Optional, TextIO
+from typing import Callable, Dict, Optional, TextIO
 
 
 class Timeline:
@@ -17,6 +17,9 @@ class Timeline:
         self._pids: Dict[str, int] = {}
         self._t0 = 0.0
         self.mark_cycles = False
+        # Told True/False when recording starts/stops (the native engine records its events
+        # only while someone listens).
+        self.on_active: Optional[Callable[[bool], None]] = None
 
     @property
     def active(self) -> bool:
@@ -35,6 +38,8 @@ class Timeline:
             self._t0 = time.monotonic()
             self.mark_cycles = mark_cycles
             self._file.write("[\n")
+            if self.on_active is not None:
+                self.on_active(True)
             self._write_locked({"name": "process_name", "ph": "M", "pid": 0,
                                 "args": {"name": "aiak_training",
                                          "start_time_since_epoch_in_micros":
@@ -43,6 +48,8 @@ class Timeline:
     def stop(self) -> None:
         with self._lock:
             self._close_locked()
+        if self.on_active is not None:
+            self.on_active(False)
 
     def _close_locked(self) -> None:
         if self._file is not None:
@@ -63,30 +70,36 @@ class Timeline:
                                 "args": {"sort_index": pid}})
         return pid
 
-    def _event(self, name: str, phase: str, activity: str = "", args: Optional[dict] = None) -> None:
+    def _ts(self, ts: Optional[float]) -> int:
+        """Microseconds since start of ``ts`` (a ``time.monotonic()`` reading; now if None)."""
+        return int(((time.monotonic() if ts is None else ts) - self._t0) * 1e6)
+
+    def _event(self, name: str, phase: str, activity: str = "", args: Optional[dict] = None,
+               ts: Optional[float] = None) -> None:
         if self._file is None:
             return
         with self._lock:
             if self._file is None:
                 return
             ev = {"ph": phase, "pid": self._pid_locked(name), "tid": 0,
-                  "ts": int((time.monotonic() - self._t0) * 1e6)}
+                  "ts": self._ts(ts)}
             if activity:
                 ev["name"] = activity
             if args:
                 ev["args"] = args
             self._write_locked(ev)
 
-    def begin(self, name: str, activity: str, args: Optional[dict] = None) -> None:
-        self._event(name, "B", activity, args)
+    def begin(self, name: str, activity: str, args: Optional[dict] = None,
+              ts: Optional[float] = None) -> None:
+        self._event(name, "B", activity, args, ts)
 
-    def end(self, name: str) -> None:
-        self._event(name, "E")
+    def end(self, name: str, ts: Optional[float] = None) -> None:
+        self._event(name, "E", ts=ts)
 
-    def mark_cycle(self) -> None:
+    def mark_cycle(self, ts: Optional[float] = None) -> None:
         if self._file is None or not self.mark_cycles:
             return
         with self._lock:
             if self._file is not None:
                 self._write_locked({"name": "CYCLE_START", "ph": "i", "s": "g", "pid": 0,
-                                    "tid": 0, "ts": int((time.monotonic() - self._t0) * 1e6)})
+                                    "tid": 0, "ts": self._ts(ts)})

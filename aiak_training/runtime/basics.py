@@ -19,6 +19,7 @@ from aiak_training.common.messages import OpType
 from aiak_training.runtime import current
 from aiak_training.runtime.current import engine, is_initialized  # noqa: F401 - re-exported
 from aiak_training.runtime.engine import Engine
+from aiak_training.runtime.native_engine import NativeEngine
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 
 _state_lock = threading.Lock()
@@ -88,7 +89,8 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = N
             if not isinstance(ps, ProcessSet):
                 raise ValueError(f"process_sets must contain ProcessSet objects, got {ps!r}.")
             static.append(ps.resolve_ranks(base))
-        started = Engine(base, config, static)
+        engine_class = NativeEngine if config.engine == "native" else Engine
+        started = engine_class(base, config, static)
         started.start()
         current.install(started)
         global_process_set.ranks = list(range(started.topology.size))

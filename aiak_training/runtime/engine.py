@@ -35,6 +35,8 @@ def _gpu_executor(cpu: Executor):
 
 
 class Engine:
+    kind = "python"
+
     def __init__(self, comm: MPI.Comm, config: Config,
                  static_process_sets: Sequence[Sequence[int]] = ()):
         self.config = config
@@ -260,6 +262,18 @@ class Engine:
         out["timeline_tensors"] = self.timeline.tensor_count
         return out
 
+    def in_flight(self) -> Dict[int, List[Tuple[str, int]]]:
+        """(name, bytes) of the tensors submitted and not yet completed, by process set:
+        what the watchdog reports when it fires.  Read from another thread."""
+        with self._lock:
+            states = list(self._sets.values())
+        out = {}
+        for state in states:
+            entries = list(state.entries.values())
+            if entries:
+                out[state.id] = [(e.name, e.nbytes) for e in entries]
+        return out
+
     def run_control(self, set_id: int, op_type: OpType, name: str, payload=None):
         """Submit one control request (join, barrier, process-set changes) and wait for its
         result."""
@@ -271,7 +285,10 @@ class Engine:
         return self.wait(handle).result
 
     # ---- background thread -------------------------------------------------------------
-    def _run(self) -> None:
+    def _initialize(self) -> bool:
+        """Duplicate the communicator, register the global and static process sets, set up
+        the watchdog and the timeline; record any failure for :meth:`start`.  Sets the
+        ready event either way; True on success."""
         try:
             world = self._parent_comm.Dup()
             world.Set_errhandler(MPI.ERRORS_RETURN)
@@ -288,8 +305,13 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - reported to the caller of init()
             self._init_error = exc
             self._ready.set()
-            return
+            return False
         self._ready.set()
+        return True
+
+    def _run(self) -> None:
+        if not self._initialize():
+            return
         reason = hs.SHUT_DOWN
         try:
             cycle_s = self.config.cycle_time_ms / 1000.0
@@ -355,12 +377,18 @@ class Engine:
         for state in states:
             self._completer.fail(state, list(state.entries), reason)
         self._completer.notify()
+        self._release(clean=self._fatal is None and reason == hs.SHUT_DOWN)
+
+    def _release(self, clean: bool) -> None:
+        """Close the timeline and free GPU and MPI resources once the engine has stopped."""
         self.timeline.stop()
         # NCCL communicators are aborted (not destroyed) unless every rank agreed to stop:
         # a vanished peer would make a clean destroy wait forever.
-        self.executor.close(clean=self._fatal is None and reason == hs.SHUT_DOWN)
+        self.executor.close(clean=clean)
         # Free communicators only on a clean shutdown: after a failure a peer may be gone.
         if self._fatal is None:
+            with self._lock:
+                states = list(self._sets.values())
             for state in reversed(states):
                 state.topology.free()
         free_user_ops()

@@ -326,7 +326,6 @@ class EngineView(Protocol):
 
     config: Config
     cycle_started: float
-    _sets: Dict[int, Any]  # set id -> SetState; read only, to say what was waiting
 
     @property
     def running(self) -> bool: ...
@@ -335,6 +334,8 @@ class EngineView(Protocol):
     def thread_ident(self) -> Optional[int]: ...
 
     def abandon(self, reason: str) -> None: ...
+
+    def in_flight(self) -> Dict[int, List[Tuple[str, int]]]: ...
 
 
 def _size_text(nbytes: int) -> str:
@@ -474,15 +475,11 @@ class Watchdog:
             where = "the engine thread is in " + " <- ".join(chain[:3])
         waiting = []
         try:
-            states = list(engine._sets.values())
-            for state in states:
-                entries = list(state.entries.values())
-                if not entries:
-                    continue
-                names = ", ".join(e.name for e in entries[:4])
+            for set_id, entries in sorted(engine.in_flight().items()):
+                names = ", ".join(name for name, _ in entries[:4])
                 more = f" and {len(entries) - 4} more" if len(entries) > 4 else ""
-                nbytes = sum(e.nbytes for e in entries)
-                waiting.append(f"process set {state.id}: {len(entries)} tensor(s) waiting "
+                nbytes = sum(n for _, n in entries)
+                waiting.append(f"process set {set_id}: {len(entries)} tensor(s) waiting "
                                f"({names}{more}; {_size_text(nbytes)})")
         except RuntimeError:  # a table changed while being read: skip the detail
             pass

@@ -14,7 +14,9 @@
 
 #include "common/dtypes.h"
 #include "common/half.h"
+#include "engine/binding.h"
 #include "native/hier.h"
+#include "native/kernels.h"
 
 namespace py = pybind11;
 using namespace aiak;
@@ -45,9 +47,10 @@ void scale_half(const uint16_t* s, uint16_t* d, int64_t n, float f) {
   for (int64_t i = 0; i < n; ++i) d[i] = FromF(ToF(s[i]) * f);
 }
 
-bool scalable(int dtype) { return dtype != BOOL && itemsize(dtype) != 0; }
 
-void scale_into(uintptr_t src, uintptr_t dst, int64_t n, int dtype, double factor) {
+}  // namespace
+
+void aiak::scale_into(uintptr_t src, uintptr_t dst, int64_t n, int dtype, double factor) {
   switch (dtype) {
     case UINT8: scale_int(as_ptr<const uint8_t>(src), as_ptr<uint8_t>(dst), n, factor); break;
     case INT8: scale_int(as_ptr<const int8_t>(src), as_ptr<int8_t>(dst), n, factor); break;
@@ -69,6 +72,8 @@ void scale_into(uintptr_t src, uintptr_t dst, int64_t n, int dtype, double facto
       break;
   }
 }
+
+namespace {
 
 void scale(uintptr_t addr, int64_t n, int dtype, double factor) {
   if (n <= 0 || factor == 1.0) return;  // as Horovod: a factor of 1 is no pass at all
@@ -127,7 +132,9 @@ void reduce_bool(const uint8_t* s, uint8_t* d, int64_t n, int op) {
   }
 }
 
-void reduce_into(uintptr_t src, uintptr_t dst, int64_t n, int dtype, int op) {
+}  // namespace
+
+void aiak::reduce_into(uintptr_t src, uintptr_t dst, int64_t n, int dtype, int op) {
   if (n <= 0) return;
   switch (dtype) {
     case UINT8: reduce_typed(as_ptr<uint8_t>(src), as_ptr<uint8_t>(dst), n, op); break;
@@ -148,6 +155,8 @@ void reduce_into(uintptr_t src, uintptr_t dst, int64_t n, int dtype, int op) {
     default: throw std::invalid_argument("reduce: unsupported dtype " + std::to_string(dtype));
   }
 }
+
+namespace {
 
 void reduce(uintptr_t src, uintptr_t dst, int64_t n, int dtype, int op) {
   py::gil_scoped_release release;
@@ -214,4 +223,5 @@ PYBIND11_MODULE(_native, m) {
   m.def("bf16_roundtrip", [](float f) { return bf16_to_float(float_to_bf16(f)); },
         "Round a float through bfloat16 (for tests).");
   register_hier(m);
+  register_engine(m);
 }

@@ -1,0 +1,357 @@
+// Python binding of the native engine (aiak_training._native.EngineCore), and its C ABI.
+//
+// Every call that may block or take the engine's lock releases the GIL first, so a busy
+// Python thread and the engine never wait on each other.  The C ABI (aiak_engine_*) lets a
+// frontend that is not Python (a TensorFlow custom op, say) enqueue and wait on host
+// allreduce and broadcast through the same engine the Python frontends use.
+#include "engine/binding.h"
+
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "common/dtypes.h"
+#include "engine/engine.h"
+
+namespace py = pybind11;
+
+namespace aiak {
+namespace engine {
+namespace {
+
+// The started engine the C ABI talks to (one per process, as hvd.init() makes one).
+std::atomic<Engine*> g_engine{nullptr};
+
+Shape to_shape(const py::handle& obj) {
+  Shape out;
+  for (auto d : obj) out.push_back(d.cast<int64_t>());
+  return out;
+}
+
+OptInts to_opt(const py::handle& obj) {
+  OptInts out;
+  if (obj.is_none()) return out;
+  out.present = true;
+  out.values = to_shape(obj);
+  return out;
+}
+
+py::object from_opt(const OptInts& o) {
+  if (!o.present) return py::none();
+  return py::tuple(py::cast(o.values));
+}
+
+// (rank, name, op_type, dtype, shape, reduce_op, prescale, postscale, root, splits, payload,
+//  device, in_addr, out_addr, lane) -> the request and this rank's entry.
+void parse(const py::handle& t, std::vector<Request>* reqs, std::vector<Entry>* entries) {
+  auto tup = py::reinterpret_borrow<py::tuple>(t);
+  if (tup.size() != 15) throw std::invalid_argument("enqueue: a request is a 15-tuple");
+  Request r;
+  r.rank = tup[0].cast<int32_t>();
+  r.name = tup[1].cast<std::string>();
+  r.op_type = tup[2].cast<int32_t>();
+  r.dtype = tup[3].cast<int32_t>();
+  r.shape = to_shape(tup[4]);
+  r.reduce_op = tup[5].cast<int32_t>();
+  r.prescale = tup[6].cast<double>();
+  r.postscale = tup[7].cast<double>();
+  r.root = tup[8].cast<int32_t>();
+  r.splits = to_opt(tup[9]);
+  r.payload = to_opt(tup[10]);
+  r.device = tup[11].cast<int32_t>();
+  Entry e;
+  e.name = r.name;
+  e.dtype = r.dtype;
+  e.count = 1;
+  for (int64_t d : r.shape) e.count *= d;
+  e.nbytes = e.count * itemsize(r.dtype);
+  e.in = tup[12].cast<uintptr_t>();
+  e.out = tup[13].cast<uintptr_t>();
+  e.lane = tup[14].cast<bool>();
+  reqs->push_back(std::move(r));
+  entries->push_back(std::move(e));
+}
+
+py::tuple response_tuple(const Response& r) {
+  py::list shapes;
+  for (const auto& per_rank : r.shapes) {
+    py::list ranks;
+    for (const auto& s : per_rank) ranks.append(py::tuple(py::cast(s)));
+    shapes.append(ranks);
+  }
+  py::object splits = py::none();
+  if (r.has_splits) {
+    py::list l;
+    for (const auto& s : r.splits) l.append(py::tuple(py::cast(s)));
+    splits = l;
+  }
+  return py::make_tuple(r.op_type, py::cast(r.names), r.dtype, shapes, r.reduce_op, r.prescale,
+                        r.postscale, r.root, splits, r.error,
+                        py::tuple(py::cast(r.joined_ranks)), r.last_joined, from_opt(r.payload),
+                        r.gpu);
+}
+
+Lane make_lane(py::function fn) {
+  auto holder = std::make_shared<py::function>(std::move(fn));
+  return [holder](const std::string& kind, int set_id, const void* data) -> std::string {
+    py::gil_scoped_acquire gil;
+    try {
+      py::object payload;
+      if (kind == "execute") {
+        py::list l;
+        for (const auto& r : *static_cast<const std::vector<ResponsePtr>*>(data))
+          l.append(response_tuple(*r));
+        payload = l;
+      } else if (kind == "timeline") {
+        py::list l;
+        for (const auto& ev : *static_cast<const std::vector<TimelineEvent>*>(data))
+          l.append(py::make_tuple(ev.name, ev.activity, ev.ts));
+        payload = l;
+      } else {
+        payload = py::str(*static_cast<const std::string*>(data));
+      }
+      py::object result = (*holder)(kind, set_id, payload);
+      return result.is_none() ? std::string() : result.cast<std::string>();
+    } catch (py::error_already_set& exc) {
+      return std::string("The background thread failed: ") + exc.what();
+    }
+  };
+}
+
+EngineConfig make_config(const py::dict& d) {
+  EngineConfig c;
+  c.cycle_time_s = d["cycle_time_s"].cast<double>();
+  c.cache_capacity = d["cache_capacity"].cast<int>();
+  c.stall_check_s = d["stall_check_s"].cast<double>();
+  c.stall_shutdown_s = d["stall_shutdown_s"].cast<double>();
+  c.handle_bytes = d["handle_bytes"].cast<int>();
+  c.in_place = d["in_place"].cast<int64_t>();
+  c.types.uint64 = d["UINT64_T"].cast<int64_t>();
+  c.types.int32 = d["INT32_T"].cast<int64_t>();
+  c.types.int64 = d["INT64_T"].cast<int64_t>();
+  c.types.byte = d["BYTE"].cast<int64_t>();
+  c.types.band = d["BAND"].cast<int64_t>();
+  auto dtypes = d["dtypes"].cast<std::vector<int64_t>>();
+  if (dtypes.size() != 11) throw std::invalid_argument("EngineCore: 11 datatype handles expected");
+  std::copy(dtypes.begin(), dtypes.end(), c.dtypes);
+  c.sum = d["SUM"].cast<int64_t>();
+  c.min = d["MIN"].cast<int64_t>();
+  c.max = d["MAX"].cast<int64_t>();
+  c.prod = d["PROD"].cast<int64_t>();
+  c.lor = d["LOR"].cast<int64_t>();
+  c.land = d["LAND"].cast<int64_t>();
+  c.shut_down = d["shut_down"].cast<std::string>();
+  c.duplicate_name = d["duplicate_name"].cast<std::string>();
+  return c;
+}
+
+py::tuple wait_tuple(const WaitResult& w) {
+  // (status, error, result, event): status 0 done, 1 failed, 2 unknown handle.
+  int status = w.unknown ? 2 : (w.failed ? 1 : 0);
+  return py::make_tuple(status, w.error,
+                        w.has_result ? py::object(py::int_(w.result)) : py::object(py::none()),
+                        w.event);
+}
+
+void copy_error(const std::string& text, char* out, size_t len) {
+  if (out == nullptr || len == 0) return;
+  std::strncpy(out, text.c_str(), len - 1);
+  out[len - 1] = '\0';
+}
+
+}  // namespace
+
+}  // namespace engine
+
+void register_engine(py::module_& m) {
+  using namespace engine;
+  static py::exception<EngineStopped> stopped(m, "EngineStopped", PyExc_RuntimeError);
+  static py::exception<BadRequest> bad(m, "BadRequest", PyExc_ValueError);
+
+  py::class_<Engine>(m, "EngineCore",
+                     "The native engine (csrc/engine/): negotiation, fusion and host MPI calls "
+                     "on a thread that never takes the GIL.")
+      .def(py::init([](py::dict config, py::function lane) {
+             return new Engine(make_config(config), make_lane(std::move(lane)));
+           }),
+           py::arg("config"), py::arg("lane"))
+      .def("add_set", &Engine::add_set, py::arg("set_id"), py::arg("comm"), py::arg("rank"),
+           py::arg("size"), py::arg("flat"), py::call_guard<py::gil_scoped_release>())
+      .def("remove_set", &Engine::remove_set, py::arg("set_id"), py::arg("why"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("start", [](Engine& e) {
+             e.start();
+             g_engine = &e;
+           })
+      .def("request_shutdown", &Engine::request_shutdown)
+      .def("join", [](Engine& e) {
+             {
+               py::gil_scoped_release release;
+               e.join();
+             }
+             Engine* expected = &e;
+             g_engine.compare_exchange_strong(expected, nullptr);
+           })
+      .def("enqueue",
+           [](Engine& e, int set_id, py::sequence requests) {
+             std::vector<Request> reqs;
+             std::vector<Entry> entries;
+             reqs.reserve(py::len(requests));
+             entries.reserve(py::len(requests));
+             for (auto t : requests) parse(t, &reqs, &entries);
+             py::gil_scoped_release release;
+             return e.enqueue(set_id, std::move(reqs), std::move(entries));
+           },
+           py::arg("set_id"), py::arg("requests"))
+      .def("enqueue_allreduce",
+           // The hot path of hvd.allreduce_async: one host tensor, no tuple to build.
+           [](Engine& e, int set_id, int rank, std::string name, int dtype, py::tuple shape,
+              uintptr_t in, uintptr_t out, int reduce_op, double prescale, double postscale) {
+             std::vector<Request> reqs(1);
+             std::vector<Entry> entries(1);
+             Request& r = reqs[0];
+             r.rank = rank;
+             r.op_type = ALLREDUCE;
+             r.dtype = dtype;
+             r.shape = to_shape(shape);
+             r.reduce_op = reduce_op;
+             r.prescale = prescale;
+             r.postscale = postscale;
+             Entry& en = entries[0];
+             en.dtype = dtype;
+             en.count = 1;
+             for (int64_t d : r.shape) en.count *= d;
+             en.nbytes = en.count * itemsize(dtype);
+             en.in = in;
+             en.out = out;
+             r.name = name;
+             en.name = std::move(name);
+             py::gil_scoped_release release;
+             return e.enqueue(set_id, std::move(reqs), std::move(entries))[0];
+           })
+      .def("wait",
+           [](Engine& e, int64_t handle, bool forget) {
+             WaitResult w;
+             {
+               py::gil_scoped_release release;
+               w = e.wait(handle, forget);
+             }
+             return wait_tuple(w);
+           },
+           py::arg("handle"), py::arg("forget") = true)
+      .def("poll",
+           [](Engine& e, int64_t handle) {
+             auto w = e.poll(handle);
+             return w.unknown ? -1 : (w.done ? 1 : 0);
+           },
+           py::call_guard<py::gil_scoped_release>(), py::arg("handle"),
+           "1 done, 0 in flight, -1 unknown handle.")
+      .def("event", [](Engine& e, int64_t handle) { return e.poll(handle).event; },
+           py::call_guard<py::gil_scoped_release>(), py::arg("handle"),
+           "The completion cudaEvent_t of a done GPU handle (0 otherwise).")
+      .def("handle_of", &Engine::handle_of, py::call_guard<py::gil_scoped_release>())
+      .def("wait_any",
+           [](Engine& e, const std::vector<int64_t>& handles, double timeout) {
+             py::gil_scoped_release release;
+             return e.wait_any(handles, timeout);
+           },
+           py::arg("handles"), py::arg("timeout") = -1.0)
+      .def("completion_time", &Engine::completion_time, py::call_guard<py::gil_scoped_release>())
+      .def("finish_name", &Engine::finish_name, py::arg("set_id"), py::arg("name"),
+           py::arg("error") = "", py::arg("event") = 0, py::call_guard<py::gil_scoped_release>())
+      .def("abandon", &Engine::abandon, py::call_guard<py::gil_scoped_release>())
+      .def("counts", &Engine::counts, py::call_guard<py::gil_scoped_release>())
+      .def("in_flight", &Engine::in_flight, py::call_guard<py::gil_scoped_release>())
+      .def("set_rank", &Engine::set_rank, py::call_guard<py::gil_scoped_release>())
+      .def("fatal", &Engine::fatal, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("cycle_started", &Engine::cycle_started)
+      .def_property_readonly("running", &Engine::running)
+      .def_property_readonly("stopped", &Engine::stopped)
+      .def_property(
+          "fusion_threshold", [](const Engine& e) { return e.fusion_threshold.load(); },
+          [](Engine& e, int64_t v) { e.fusion_threshold = v; })
+      .def_property(
+          "zero_copy_bytes", [](const Engine& e) { return e.zero_copy_bytes.load(); },
+          [](Engine& e, int64_t v) { e.zero_copy_bytes = v; })
+      .def_property(
+          "timeline_on", [](const Engine& e) { return e.timeline_on.load(); },
+          [](Engine& e, bool v) { e.timeline_on = v; });
+}
+
+}  // namespace aiak
+
+// ---- C ABI ----------------------------------------------------------------------------------
+using namespace aiak::engine;
+
+extern "C" {
+
+// Enqueues a host allreduce (op_type 0) or broadcast (2) of `ndim`-dimensional `shape` on
+// process set `set_id`; returns its handle, or -1 with `error` filled in.
+__attribute__((visibility("default"))) int64_t aiak_engine_enqueue(
+    int32_t set_id, int32_t op_type, const char* name, int32_t dtype, const int64_t* shape,
+    int32_t ndim, const void* input, void* output, int32_t reduce_op, double prescale,
+    double postscale, int32_t root, char* error, size_t error_len) {
+  using namespace aiak::engine;
+  Engine* e = g_engine.load();
+  try {
+    if (e == nullptr) throw std::runtime_error("the engine is not running (call hvd.init())");
+    if (op_type != ALLREDUCE && op_type != BROADCAST)
+      throw std::invalid_argument("the C ABI enqueues allreduce (0) and broadcast (2) only");
+    if (name == nullptr || aiak::itemsize(dtype) == 0 || ndim < 0)
+      throw std::invalid_argument("a name, a known dtype and ndim >= 0 are required");
+    int rank = e->set_rank(set_id);
+    if (rank < 0) throw std::invalid_argument("this rank is not in process set " + std::to_string(set_id));
+    std::vector<Request> reqs(1);
+    std::vector<Entry> entries(1);
+    Request& r = reqs[0];
+    r.rank = rank;
+    r.name = name;
+    r.op_type = op_type;
+    r.dtype = dtype;
+    r.shape.assign(shape, shape + ndim);
+    r.reduce_op = reduce_op;
+    r.prescale = prescale;
+    r.postscale = postscale;
+    r.root = op_type == BROADCAST ? root : -1;
+    Entry& en = entries[0];
+    en.name = name;
+    en.dtype = dtype;
+    en.count = 1;
+    for (int64_t d : r.shape) en.count *= d;
+    en.nbytes = en.count * aiak::itemsize(dtype);
+    en.in = reinterpret_cast<uintptr_t>(input);
+    en.out = reinterpret_cast<uintptr_t>(output);
+    return e->enqueue(set_id, std::move(reqs), std::move(entries))[0];
+  } catch (const std::exception& exc) {
+    copy_error(exc.what(), error, error_len);
+    return -1;
+  }
+}
+
+// Waits for `handle` and forgets it: 0 done, 1 failed (`error` says why), -1 unknown handle.
+__attribute__((visibility("default"))) int aiak_engine_wait(int64_t handle, char* error,
+                                                            size_t error_len) {
+  Engine* e = g_engine.load();
+  if (e == nullptr) {
+    copy_error("the engine is not running", error, error_len);
+    return -1;
+  }
+  auto w = e->wait(handle, true);
+  if (w.unknown) return -1;
+  if (w.failed) {
+    copy_error(w.error, error, error_len);
+    return 1;
+  }
+  return 0;
+}
+
+// 1 if `handle` is done, 0 if in flight, -1 if unknown.
+__attribute__((visibility("default"))) int aiak_engine_poll(int64_t handle) {
+  Engine* e = g_engine.load();
+  if (e == nullptr) return -1;
+  auto w = e->poll(handle);
+  return w.unknown ? -1 : (w.done ? 1 : 0);
+}
+
+}  // extern "C"

@@ -1,0 +1,106 @@
+// Negotiation of one process set, in the native engine: the response cache, the bit-vector
+// allreduce and the coordinator.  The algorithm is the Python engine's, step for step
+// (aiak_training/runtime/controller.py and response_cache.py explain it); the two engines
+// must agree on which tensor is ready, in which order, and on every error message.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/messages.h"
+#include "engine/mpi.h"
+
+namespace aiak {
+namespace engine {
+
+// Handles of the MPI objects negotiation needs, taken from mpi4py.
+struct MpiTypes {
+  MpiHandle uint64 = 0, int32 = 0, int64 = 0, byte = 0, band = 0;
+};
+
+class ResponseCache {
+ public:
+  enum class Lookup { kHit, kMiss, kInvalid };
+  explicit ResponseCache(int capacity);
+  bool enabled() const { return capacity_ > 0; }
+  size_t size() const { return bit_of_.size(); }
+  Lookup lookup(const Request& req, int* bit) const;
+  const ResponsePtr& response(int bit) const { return slots_[bit]->response; }
+  void touch(int bit);
+  // Inserts a single-tensor response; returns the bit evicted to make room, or -1.
+  int put(const ResponsePtr& resp, const std::optional<Signature>& sig);
+  void evict(int bit);
+
+ private:
+  struct Slot {
+    ResponsePtr response;
+    std::optional<Signature> signature;
+  };
+  int capacity_;
+  std::vector<std::optional<Slot>> slots_;
+  std::unordered_map<std::string, int> bit_of_;
+  std::list<int> lru_;  // least recently used first
+  std::unordered_map<int, std::list<int>::iterator> lru_pos_;
+};
+
+struct NegotiationResult {
+  std::vector<ResponsePtr> responses;
+  bool shutdown = false;
+  std::string shutdown_reason;
+  std::string stall_report;  // coordinator only: "rank: [names]" lines, when ranks stall
+};
+
+class Controller {
+ public:
+  Controller(Mpi* mpi, MpiTypes types, MpiHandle comm, int rank, int size, int cache_capacity,
+             double stall_check_s, double stall_shutdown_s);
+
+  NegotiationResult negotiate(std::vector<Request> new_requests, bool want_shutdown, double now);
+  void record_executed(const ResponsePtr& resp, const std::optional<Signature>& sig);
+  void mark_unjoined() { joined_ = false; }
+  std::map<std::string, int64_t> counts() const;
+  // Names this rank submitted and still waits for (the watchdog names them when it fires).
+  std::vector<std::string> pending_names() const;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+ private:
+  std::vector<uint64_t> bit_vector(uint64_t flags, const std::vector<int>& invalid_bits) const;
+  double oldest_age(double now) const;
+  bool stall_due(double now);
+  std::vector<ResponsePtr> coordinate(bool with_report, std::string* stall_report);
+  std::vector<ResponsePtr> plan(const std::vector<std::vector<Request>>& requests,
+                                const std::vector<std::optional<std::vector<std::string>>>& reports,
+                                std::string* stall_report);
+  std::string report_stall(const std::vector<std::optional<std::vector<std::string>>>& reports) const;
+  Response construct(const std::string& name, const std::map<int, Request>& reqs) const;
+
+  Mpi* mpi_;
+  MpiTypes types_;
+  MpiHandle comm_;
+  int rank_, size_, words_;
+  ResponseCache cache_;
+  double stall_check_s_, stall_shutdown_s_;
+  std::map<int, Request> cached_pending_;        // bit -> request waiting on other ranks
+  std::vector<Request> to_send_;                 // requests for the coordinator
+  std::map<std::string, double> submitted_at_;   // name -> when this rank submitted it
+  double last_stall_report_;
+  bool joined_ = false;
+  // Coordinator state (rank 0 of the set): pending requests by name, in arrival order.
+  std::list<std::pair<std::string, std::map<int, Request>>> table_;
+  std::unordered_map<std::string, decltype(table_)::iterator> table_pos_;
+  std::set<int> joined_ranks_;
+  int last_joined_ = -1;
+};
+
+// Python's repr() of a float ("1.0", "0.5", "1e-05"), for messages both engines share.
+std::string python_float_repr(double x);
+
+}  // namespace engine
+}  // namespace aiak

@@ -1,0 +1,685 @@
+// The native engine's thread, queues, handles and host data path (see engine.h).
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <ctime>
+
+#include "common/dtypes.h"
+#include "native/kernels.h"
+
+namespace aiak {
+namespace engine {
+
+double monotonic_now() {
+  // CLOCK_MONOTONIC is what Python's time.monotonic() reads on Linux: the watchdog and the
+  // timeline compare our timestamps with theirs.
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+namespace {
+
+// MPI user ops for the half types, which MPI cannot reduce: one function per (type, op),
+// because the datatype MPI passes back is just "16-bit words" for both.
+template <int DType, int Op>
+void half_user_op(void* in, void* inout, int* len, void*) {
+  reduce_into(reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(inout), *len, DType, Op);
+}
+
+template <int DType>
+UserFunction half_op_for(int op) {
+  switch (op) {
+    case SUM: case AVERAGE: return &half_user_op<DType, SUM>;
+    case MIN: return &half_user_op<DType, MIN>;
+    case MAX: return &half_user_op<DType, MAX>;
+    case PRODUCT: return &half_user_op<DType, PRODUCT>;
+    default: throw std::invalid_argument("unsupported reduce op " + std::to_string(op));
+  }
+}
+
+// MPI counts are ints: longer buffers go in slices of this many elements.
+constexpr int64_t kMaxCount = INT_MAX / 2;
+
+}  // namespace
+
+Engine::Engine(EngineConfig config, Lane lane)
+    : config_(std::move(config)), lane_(std::move(lane)),
+      mpi_(bind_mpi(config_.handle_bytes, config_.in_place)) {}
+
+Engine::~Engine() {
+  request_shutdown();
+  if (thread_.joinable()) thread_.detach();  // never block interpreter exit on MPI
+}
+
+// ---- process sets ---------------------------------------------------------------------------
+void Engine::add_set(int set_id, MpiHandle comm, int rank, int size, bool flat) {
+  auto state = std::make_shared<SetState>();
+  state->id = set_id;
+  state->rank = rank;
+  state->size = size;
+  state->comm = comm;
+  state->flat = flat;
+  state->controller = std::make_unique<Controller>(
+      mpi_.get(), config_.types, comm, rank, size, config_.cache_capacity, config_.stall_check_s,
+      config_.stall_shutdown_s);
+  std::lock_guard<std::mutex> lock(mu_);
+  sets_[set_id] = std::move(state);
+}
+
+bool Engine::remove_set(int set_id, const std::string& why) {
+  std::shared_ptr<SetState> state;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sets_.find(set_id);
+    if (it == sets_.end()) return false;
+    state = it->second;
+    sets_.erase(it);
+  }
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& kv : state->entries) names.push_back(kv.first);
+  }
+  fail_names(*state, names, why);
+  return true;
+}
+
+int Engine::set_rank(int set_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sets_.find(set_id);
+  return it == sets_.end() ? -1 : it->second->rank;
+}
+
+// ---- lifecycle ------------------------------------------------------------------------------
+void Engine::start() {
+  started_ = true;
+  thread_ = std::thread([this] { run(); });
+}
+
+void Engine::request_shutdown() {
+  shutdown_requested_ = true;
+  wake_cv_.notify_all();
+}
+
+void Engine::join() {
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+std::string Engine::fatal() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fatal_;
+}
+
+void Engine::run() {
+  std::string reason = config_.shut_down;
+  try {
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    while (true) {
+      double started = monotonic_now();
+      cycle_started_ = started;
+      if (timeline_on) events_.push_back({"", "", started});
+      std::string why;
+      bool stop_now = cycle(&why);
+      flush_timeline();
+      if (stop_now) {
+        if (!why.empty()) reason = config_.shut_down + " (" + why + ")";
+        break;
+      }
+      double remaining = config_.cycle_time_s - (monotonic_now() - started);
+      if (remaining > 0 && !shutdown_requested_) {
+        lock.lock();
+        wake_cv_.wait_for(lock, std::chrono::duration<double>(remaining),
+                          [this] { return shutdown_requested_.load(); });
+        lock.unlock();
+      }
+    }
+  } catch (const std::exception& exc) {
+    // Worded as the Python engine words an mpi4py failure; the lane adds the peers that are
+    // gone (an MPI error usually means one vanished) and logs it.
+    std::string message = std::string("The background thread failed: ") +
+                          (dynamic_cast<const MpiError*>(&exc) ? "Exception" : "RuntimeError") +
+                          ": " + exc.what();
+    try {
+      std::string full = lane_("fatal", 0, &message);
+      reason = full.empty() ? message : full;
+    } catch (...) {
+      reason = message;
+    }
+    std::lock_guard<std::mutex> guard(mu_);
+    fatal_ = reason;
+  }
+  stop(reason);
+}
+
+bool Engine::cycle(std::string* why) {
+  std::vector<std::shared_ptr<SetState>> sets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& kv : sets_) sets.push_back(kv.second);
+  }
+  for (const auto& set : sets) {
+    std::vector<Request> fresh;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!sets_.count(set->id)) continue;  // removed by an earlier set's response
+      fresh.swap(set->queue);
+    }
+    bool want = set->id == 0 && shutdown_requested_;
+    auto result = set->controller->negotiate(std::move(fresh), want, monotonic_now());
+    if (!result.stall_report.empty()) {
+      std::string msg = lane_("stall", set->id, &result.stall_report);
+      if (!msg.empty()) throw std::runtime_error(msg);
+    }
+    if (result.shutdown) {
+      *why = shutdown_requested_ ? "" : result.shutdown_reason;
+      return true;
+    }
+    if (!result.responses.empty()) execute(*set, result.responses);
+    auto counts = set->controller->counts();
+    std::lock_guard<std::mutex> lock(mu_);
+    set->counts = std::move(counts);
+  }
+  return false;
+}
+
+void Engine::stop(const std::string& reason) {
+  std::vector<std::shared_ptr<SetState>> sets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    for (const auto& kv : sets_) sets.push_back(kv.second);
+  }
+  for (const auto& set : sets) {
+    std::vector<std::string> names;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& kv : set->entries) names.push_back(kv.first);
+    }
+    fail_names(*set, names, reason);
+  }
+  if (fatal().empty()) {
+    for (auto& kv : user_ops_) mpi_->op_free(kv.second);
+  }
+  user_ops_.clear();
+  done_cv_.notify_all();
+}
+
+void Engine::abandon(const std::string& reason) {
+  std::vector<std::shared_ptr<SetState>> sets;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    fatal_ = reason;
+    for (const auto& kv : sets_) sets.push_back(kv.second);
+  }
+  for (const auto& set : sets) {
+    std::vector<std::string> names;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& kv : set->entries) names.push_back(kv.first);
+    }
+    fail_names(*set, names, reason);
+  }
+}
+
+// ---- submission and completion ----------------------------------------------------------------
+std::vector<int64_t> Engine::enqueue(int set_id, std::vector<Request> requests,
+                                     std::vector<Entry> entries) {
+  std::vector<int64_t> out;
+  out.reserve(entries.size());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!fatal_.empty()) throw EngineStopped(fatal_);
+    if (stopped_ || shutdown_requested_) throw EngineStopped(config_.shut_down);
+    auto it = sets_.find(set_id);
+    if (it == sets_.end())
+      throw BadRequest("Process set " + std::to_string(set_id) +
+                       " is not registered on this rank (it was removed, or this rank is not a "
+                       "member).");
+    SetState& set = *it->second;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const std::string& name = entries[i].name;
+      bool repeated = set.entries.count(name) > 0;
+      for (size_t j = 0; j < i && !repeated; ++j) repeated = entries[j].name == name;
+      if (repeated) throw BadRequest(config_.duplicate_name + " (tensor name: " + name + ")");
+    }
+    for (size_t i = 0; i < entries.size(); ++i) {
+      int64_t hid = next_handle_++;
+      handles_.emplace(hid, Handle{});
+      entries[i].handle = hid;
+      entries[i].signature = requests[i].signature();
+      std::string name = entries[i].name;
+      set.entries.emplace(std::move(name), std::move(entries[i]));
+      out.push_back(hid);
+    }
+    for (auto& r : requests) set.queue.push_back(std::move(r));
+  }
+  return out;
+}
+
+void Engine::complete_locked(int64_t handle, const std::string* error, bool has_result,
+                             int64_t result, int64_t event) {
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return;
+  Handle& h = it->second;
+  if (error != nullptr) {
+    h.failed = true;
+    h.error = *error;
+  }
+  h.has_result = has_result;
+  h.result = result;
+  h.event = event;
+  h.done_at = monotonic_now();
+  h.done = true;
+}
+
+void Engine::finish(SetState& set, const ResponsePtr& resp, bool has_result, int64_t result) {
+  std::vector<std::optional<Signature>> sigs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& name : resp->names) {
+      auto it = set.entries.find(name);
+      if (it == set.entries.end()) {
+        sigs.emplace_back();
+        continue;
+      }
+      sigs.emplace_back(std::move(it->second.signature));
+      complete_locked(it->second.handle, nullptr, has_result, result, 0);
+      set.entries.erase(it);
+    }
+  }
+  for (size_t i = 0; i < resp->names.size(); ++i) {
+    if (timeline_on) events_.push_back({resp->names[i], "", monotonic_now()});
+    set.controller->record_executed(resp, sigs[i]);
+  }
+}
+
+void Engine::finish_name(int set_id, const std::string& name, const std::string& error,
+                         int64_t event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto sit = sets_.find(set_id);
+  if (sit == sets_.end()) return;
+  auto& entries = sit->second->entries;
+  auto it = entries.find(name);
+  if (it == entries.end()) return;
+  complete_locked(it->second.handle, error.empty() ? nullptr : &error, false, 0, event);
+  entries.erase(it);
+}
+
+void Engine::fail_names(SetState& set, const std::vector<std::string>& names,
+                        const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& name : names) {
+      auto it = set.entries.find(name);
+      if (it == set.entries.end()) continue;
+      complete_locked(it->second.handle, &error, false, 0, 0);
+      set.entries.erase(it);
+    }
+  }
+  done_cv_.notify_all();
+}
+
+WaitResult Engine::wait(int64_t handle, bool forget) {
+  std::unique_lock<std::mutex> lock(mu_);
+  WaitResult out;
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) {
+    out.unknown = true;
+    return out;
+  }
+  while (!it->second.done) {
+    done_cv_.wait_for(lock, std::chrono::milliseconds(500));
+    it = handles_.find(handle);
+    if (it == handles_.end()) {  // cleared by another waiter
+      out.unknown = true;
+      return out;
+    }
+    // A stopped engine has failed every entry it held; this only guards against a handle
+    // that lost its entry some other way.
+    if (!it->second.done && stopped_) break;
+  }
+  const Handle& h = it->second;
+  out.done = h.done;
+  out.failed = h.failed || !h.done;
+  out.error = h.done ? h.error : (fatal_.empty() ? config_.shut_down : fatal_);
+  out.has_result = h.has_result;
+  out.result = h.result;
+  out.event = h.event;
+  if (forget) handles_.erase(it);
+  return out;
+}
+
+WaitResult Engine::poll(int64_t handle) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  WaitResult out;
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) {
+    out.unknown = true;
+    return out;
+  }
+  out.done = it->second.done;
+  out.event = it->second.done ? it->second.event : 0;
+  return out;
+}
+
+std::vector<int64_t> Engine::wait_any(const std::vector<int64_t>& handles, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (int64_t h : handles)
+    if (!handles_.count(h)) throw std::out_of_range(std::to_string(h));
+  if (handles.empty()) return {};
+  double deadline = timeout_s >= 0 ? monotonic_now() + timeout_s : -1;
+  while (true) {
+    std::vector<int64_t> done;
+    for (int64_t h : handles) {
+      auto it = handles_.find(h);
+      if (it != handles_.end() && it->second.done) done.push_back(h);
+    }
+    if (!done.empty()) return done;
+    if (stopped_) throw EngineStopped(fatal_.empty() ? config_.shut_down : fatal_);
+    double wait_s = 0.5;
+    if (deadline >= 0) {
+      wait_s = std::min(wait_s, deadline - monotonic_now());
+      if (wait_s <= 0) return {};
+    }
+    done_cv_.wait_for(lock, std::chrono::duration<double>(wait_s));
+  }
+}
+
+std::optional<double> Engine::completion_time(int64_t handle) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end() || !it->second.done) return std::nullopt;
+  return it->second.done_at;
+}
+
+std::map<std::string, int64_t> Engine::counts() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, int64_t> out{{"open_handles", static_cast<int64_t>(handles_.size())},
+                                     {"process_sets", static_cast<int64_t>(sets_.size())},
+                                     {"entries", 0}, {"queued_requests", 0}};
+  for (const auto& kv : sets_) {
+    out["entries"] += static_cast<int64_t>(kv.second->entries.size());
+    out["queued_requests"] += static_cast<int64_t>(kv.second->queue.size());
+    for (const auto& c : kv.second->counts) out[c.first] += c.second;
+  }
+  out["fusion_buffer_bytes"] = static_cast<int64_t>(fusion_.size());
+  return out;
+}
+
+std::vector<std::tuple<int, std::string, int64_t>> Engine::in_flight() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::tuple<int, std::string, int64_t>> out;
+  for (const auto& kv : sets_)
+    for (const auto& e : kv.second->entries) out.emplace_back(kv.first, e.first, e.second.nbytes);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+int64_t Engine::handle_of(int set_id, const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto sit = sets_.find(set_id);
+  if (sit == sets_.end()) return -1;
+  auto it = sit->second->entries.find(name);
+  return it == sit->second->entries.end() ? -1 : it->second.handle;
+}
+
+// ---- execution --------------------------------------------------------------------------------
+bool Engine::is_lane(const SetState& set, const Response& resp) const {
+  switch (resp.op_type) {
+    case ALLREDUCE: return resp.gpu || !set.flat;
+    case BROADCAST: return resp.gpu;
+    case BARRIER: case JOIN: return false;
+    case ERROR: {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = set.entries.find(resp.names[0]);
+      return it != set.entries.end() && it->second.lane;
+    }
+    default: return true;  // allgather, alltoall, reducescatter, process-set changes
+  }
+}
+
+void Engine::execute(SetState& set, const std::vector<ResponsePtr>& responses) {
+  size_t i = 0;
+  while (i < responses.size()) {
+    const ResponsePtr& resp = responses[i];
+    if (is_lane(set, *resp)) {
+      std::vector<ResponsePtr> batch;
+      while (i < responses.size() && is_lane(set, *responses[i])) batch.push_back(responses[i++]);
+      run_lane(set, batch);
+      continue;
+    }
+    switch (resp->op_type) {
+      case ERROR: fail_names(set, resp->names, resp->error); ++i; continue;
+      case BARRIER: finish(set, resp); break;
+      case JOIN:
+        set.controller->mark_unjoined();
+        finish(set, resp, true, resp->last_joined);
+        break;
+      case BROADCAST:
+        activity(resp->names, nullptr);
+        activity(resp->names, "BROADCAST");
+        broadcast(set, *resp);
+        finish(set, resp);
+        break;
+      case ALLREDUCE: {
+        std::vector<ResponsePtr> group{resp};
+        int item = itemsize(resp->dtype);
+        int64_t total = resp->nbytes(item);
+        size_t j = i + 1;
+        const int64_t threshold = fusion_threshold.load();
+        while (j < responses.size() && responses[j]->fuses_with(*resp) &&
+               !is_lane(set, *responses[j]) && total + responses[j]->nbytes(item) <= threshold) {
+          total += responses[j]->nbytes(item);
+          group.push_back(responses[j++]);
+        }
+        for (const auto& r : group) {
+          activity(r->names, nullptr);
+          activity(r->names, "ALLREDUCE");
+        }
+        allreduce_group(set, group);
+        done_cv_.notify_all();
+        i = j;
+        continue;
+      }
+      default: throw std::logic_error("native engine: unexpected op " + std::to_string(resp->op_type));
+    }
+    ++i;
+    // Wake waiters as each bucket lands: the caller can use it while the rest still run.
+    done_cv_.notify_all();
+  }
+  zeros_keep_.clear();
+}
+
+void Engine::run_lane(SetState& set, const std::vector<ResponsePtr>& batch) {
+  // The signatures the lane's tensors were submitted with, for the cache (the lane removes
+  // the entries as it completes them).
+  std::vector<std::vector<std::optional<Signature>>> sigs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& resp : batch) {
+      sigs.emplace_back();
+      for (const auto& name : resp->names) {
+        auto it = set.entries.find(name);
+        if (it == set.entries.end()) sigs.back().emplace_back();
+        else sigs.back().emplace_back(it->second.signature);
+      }
+    }
+  }
+  flush_timeline();  // keep the timeline in order around the lane's own events
+  std::string failure = lane_("execute", set.id, &batch);
+  done_cv_.notify_all();
+  if (!failure.empty()) throw std::runtime_error(failure);
+  for (size_t k = 0; k < batch.size(); ++k) {
+    if (batch[k]->op_type == ERROR) continue;
+    for (const auto& sig : sigs[k]) set.controller->record_executed(batch[k], sig);
+  }
+}
+
+Entry Engine::entry_or_zeros(SetState& set, const Response& resp) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = set.entries.find(resp.names[0]);
+    if (it != set.entries.end()) {
+      Entry copy;
+      copy.name = it->second.name;
+      copy.dtype = it->second.dtype;
+      copy.count = it->second.count;
+      copy.nbytes = it->second.nbytes;
+      copy.in = it->second.in;
+      copy.out = it->second.out;
+      copy.handle = it->second.handle;
+      return copy;
+    }
+  }
+  // This rank joined (hvd.join): it takes part with zeros of the agreed shape.
+  Entry zeros;
+  zeros.name = resp.names[0];
+  zeros.dtype = resp.dtype;
+  zeros.count = 1;
+  for (int64_t d : resp.shapes.at(0).at(set.rank)) zeros.count *= d;
+  zeros.nbytes = zeros.count * itemsize(resp.dtype);
+  zeros_keep_.emplace_back(std::max<int64_t>(zeros.nbytes, 1), 0);
+  zeros.in = zeros.out = reinterpret_cast<uintptr_t>(zeros_keep_.back().data());
+  return zeros;
+}
+
+MpiHandle Engine::mpi_op(int32_t dtype, int32_t op) {
+  if (dtype == BOOL) {
+    if (op == SUM || op == MAX) return config_.lor;
+    if (op == MIN || op == PRODUCT) return config_.land;
+    throw std::invalid_argument("Reduce op " + std::to_string(op) + " is not supported for bool tensors.");
+  }
+  if (dtype == FLOAT16 || dtype == BFLOAT16) {
+    int key_op = op == AVERAGE ? SUM : op;
+    auto key = std::make_pair(static_cast<int>(dtype), key_op);
+    auto it = user_ops_.find(key);
+    if (it != user_ops_.end()) return it->second;
+    UserFunction fn = dtype == FLOAT16 ? half_op_for<FLOAT16>(key_op) : half_op_for<BFLOAT16>(key_op);
+    MpiHandle handle = mpi_->op_create(fn, true);
+    user_ops_[key] = handle;
+    return handle;
+  }
+  switch (op) {
+    case AVERAGE: case SUM: return config_.sum;
+    case MIN: return config_.min;
+    case MAX: return config_.max;
+    case PRODUCT: return config_.prod;
+    default: throw std::invalid_argument("unsupported reduce op " + std::to_string(op));
+  }
+}
+
+void Engine::reduce_host(SetState& set, uintptr_t addr, int64_t count, int32_t dtype, int32_t op) {
+  MpiHandle mop = mpi_op(dtype, op);
+  int item = itemsize(dtype);
+  for (int64_t off = 0; off < count; off += kMaxCount) {
+    int n = static_cast<int>(std::min(kMaxCount, count - off));
+    mpi_->allreduce(mpi_->in_place, reinterpret_cast<void*>(addr + off * item), n,
+                    config_.dtypes[dtype], mop, set.comm);
+  }
+}
+
+static void scale_in_place(uintptr_t addr, int64_t n, int32_t dtype, double factor) {
+  if (n > 0 && factor != 1.0) {
+    if (!scalable(dtype)) throw std::invalid_argument("scale: unsupported dtype " + std::to_string(dtype));
+    scale_into(addr, addr, n, dtype, factor);
+  }
+}
+
+void Engine::allreduce_group(SetState& set, const std::vector<ResponsePtr>& group) {
+  const Response& first = *group[0];
+  const int32_t dtype = first.dtype, op = first.reduce_op;
+  const double pre = first.prescale;
+  const double post = op == AVERAGE ? first.postscale / set.size : first.postscale;
+  const int64_t zero_copy = zero_copy_bytes.load();
+  const int item = itemsize(dtype);
+  std::vector<std::pair<ResponsePtr, Entry>> packed, in_place;
+  for (const auto& r : group) {
+    Entry e = entry_or_zeros(set, *r);
+    (e.nbytes < zero_copy ? packed : in_place).emplace_back(r, std::move(e));
+  }
+  if (packed.size() == 1) {  // a lone small tensor gains nothing from the fusion buffer
+    in_place.push_back(std::move(packed[0]));
+    packed.clear();
+  }
+  for (auto& [resp, e] : in_place) {
+    if (e.in != e.out && e.count)
+      std::memcpy(reinterpret_cast<void*>(e.out), reinterpret_cast<const void*>(e.in), e.nbytes);
+    scale_in_place(e.out, e.count, dtype, pre);
+    activity(resp->names, "MPI_ALLREDUCE");
+    reduce_host(set, e.out, e.count, dtype, op);
+    activity(resp->names, nullptr);
+    scale_in_place(e.out, e.count, dtype, post);
+    // Each large tensor completes as it lands: an overlapped optimizer can update it while
+    // the rest are still on the wire.
+    finish(set, resp);
+    done_cv_.notify_all();
+  }
+  if (packed.empty()) return;
+  int64_t total = 0;
+  std::vector<std::string> names;
+  for (const auto& [resp, e] : packed) {
+    total += e.nbytes;
+    names.push_back(resp->names[0]);
+  }
+  if (static_cast<int64_t>(fusion_.size()) < total)
+    fusion_.resize(std::max<int64_t>(total, 2 * static_cast<int64_t>(fusion_.size())));
+  char* base = fusion_.data();
+  activity(names, "MEMCPY_IN_FUSION_BUFFER");
+  int64_t off = 0;
+  for (const auto& [resp, e] : packed) {
+    if (e.nbytes) std::memcpy(base + off, reinterpret_cast<const void*>(e.in), e.nbytes);
+    off += e.nbytes;
+  }
+  activity(names, nullptr);
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(base);
+  scale_in_place(addr, total / item, dtype, pre);
+  activity(names, "MPI_ALLREDUCE");
+  reduce_host(set, addr, total / item, dtype, op);
+  activity(names, nullptr);
+  activity(names, "MEMCPY_OUT_FUSION_BUFFER");
+  off = 0;
+  for (const auto& [resp, e] : packed) {
+    if (e.count) {
+      if (post != 1.0) scale_into(addr + off, e.out, e.count, dtype, post);
+      else std::memcpy(reinterpret_cast<void*>(e.out), base + off, e.nbytes);
+    }
+    off += e.nbytes;
+  }
+  activity(names, nullptr);
+  for (const auto& [resp, e] : packed) finish(set, resp);
+}
+
+void Engine::broadcast(SetState& set, const Response& resp) {
+  Entry e = entry_or_zeros(set, resp);
+  if (set.rank == resp.root && e.in != e.out && e.count)
+    std::memcpy(reinterpret_cast<void*>(e.out), reinterpret_cast<const void*>(e.in), e.nbytes);
+  activity(resp.names, "MPI_BCAST");
+  const int item = itemsize(resp.dtype);
+  for (int64_t off = 0; off < e.count; off += kMaxCount) {
+    int n = static_cast<int>(std::min(kMaxCount, e.count - off));
+    mpi_->bcast(reinterpret_cast<void*>(e.out + off * item), n, config_.dtypes[resp.dtype],
+                resp.root, set.comm);
+  }
+  activity(resp.names, nullptr);
+}
+
+// ---- timeline -----------------------------------------------------------------------------------
+void Engine::activity(const std::vector<std::string>& names, const char* what) {
+  if (!timeline_on) return;
+  double now = monotonic_now();
+  for (const auto& name : names) events_.push_back({name, what ? what : "", now});
+}
+
+void Engine::flush_timeline() {
+  if (events_.empty()) return;
+  std::vector<TimelineEvent> batch;
+  batch.swap(events_);
+  std::string failure = lane_("timeline", 0, &batch);
+  if (!failure.empty()) throw std::runtime_error(failure);
+}
+
+}  // namespace engine
+}  // namespace aiak

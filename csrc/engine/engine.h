@@ -1,0 +1,178 @@
+// The native engine: a background thread that negotiates and runs collectives without the GIL.
+//
+// Python (aiak_training/runtime/native_engine.py) enqueues tensors and waits on handles; the
+// thread here owns the queues, the negotiation of every process set (controller.h), the
+// fusion buffer and the MPI calls of host allreduce and broadcast, and completes handles.
+// What it cannot do without Python (GPU collectives, allgather/alltoall/reducescatter, whose
+// results are allocated by the frontend, process-set changes and the hierarchical
+// algorithms) it hands, in agreed order, to a "lane": a Python callable it calls with the GIL.
+// The steady-state path of a host allreduce never touches the interpreter.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/controller.h"
+#include "engine/messages.h"
+#include "engine/mpi.h"
+
+namespace aiak {
+namespace engine {
+
+struct EngineConfig {
+  double cycle_time_s = 0.001;
+  int cache_capacity = 1024;
+  double stall_check_s = 60.0, stall_shutdown_s = 0.0;
+  int handle_bytes = 4;
+  int64_t in_place = -1;
+  MpiTypes types;
+  MpiHandle dtypes[11] = {};                          // by DataType code
+  MpiHandle sum = 0, min = 0, max = 0, prod = 0, lor = 0, land = 0;
+  std::string shut_down, duplicate_name;              // messages users match on
+};
+
+// One tensor of this rank, as raw memory.
+struct Entry {
+  std::string name;
+  int32_t dtype = 0;
+  int64_t count = 0, nbytes = 0;
+  uintptr_t in = 0, out = 0;
+  int64_t handle = -1;
+  Signature signature;
+  bool lane = false;  // executed by the Python lane
+};
+
+// How a call into the engine failed, for the binding to raise the right Python exception.
+class EngineStopped : public std::runtime_error {  // HorovodInternalError
+ public:
+  using std::runtime_error::runtime_error;
+};
+class BadRequest : public std::invalid_argument {  // ValueError
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+struct WaitResult {
+  bool done = false, failed = false, unknown = false;
+  std::string error;
+  bool has_result = false;
+  int64_t result = 0, event = 0;
+};
+
+// The lane: called on the engine thread with the GIL.  kind is "execute" (responses),
+// "timeline" (events), "stall" (report lines) or "fatal" (a failure message); it returns a
+// failure message to stop the engine with, or an empty string.
+using Lane = std::function<std::string(const std::string& kind, int set_id, const void* data)>;
+
+struct TimelineEvent {
+  std::string name, activity;  // activity "" ends the open one; name "" marks a cycle
+  double ts;
+};
+
+class Engine {
+ public:
+  Engine(EngineConfig config, Lane lane);
+  ~Engine();
+
+  void add_set(int set_id, MpiHandle comm, int rank, int size, bool flat);
+  bool remove_set(int set_id, const std::string& why);
+  void start();
+  void request_shutdown();
+  void join();
+
+  // Submits requests atomically (a group lands in one cycle); returns their handles.
+  std::vector<int64_t> enqueue(int set_id, std::vector<Request> requests, std::vector<Entry> entries);
+  WaitResult wait(int64_t handle, bool forget);
+  WaitResult poll(int64_t handle) const;
+  std::vector<int64_t> wait_any(const std::vector<int64_t>& handles, double timeout_s);
+  std::optional<double> completion_time(int64_t handle) const;
+  // Completes a lane-executed tensor (the lane's completer): removes its entry, then marks
+  // its handle done, so a resubmission under the same name never sees a duplicate.
+  void finish_name(int set_id, const std::string& name, const std::string& error, int64_t event);
+  void abandon(const std::string& reason);
+
+  int64_t handle_of(int set_id, const std::string& name) const;
+  std::map<std::string, int64_t> counts() const;
+  // (set id, name, bytes) of every tensor submitted and not yet completed.
+  std::vector<std::tuple<int, std::string, int64_t>> in_flight() const;
+  double cycle_started() const { return cycle_started_.load(); }
+  bool running() const { return started_ && !stopped_.load(); }
+  bool stopped() const { return stopped_.load(); }
+  std::string fatal() const;
+  int set_rank(int set_id) const;
+
+  std::atomic<int64_t> fusion_threshold{64 << 20};
+  std::atomic<int64_t> zero_copy_bytes{1 << 20};
+  std::atomic<bool> timeline_on{false};
+
+ private:
+  struct SetState {
+    int id, rank, size;
+    MpiHandle comm;
+    bool flat;
+    std::unique_ptr<Controller> controller;
+    std::vector<Request> queue;
+    std::unordered_map<std::string, Entry> entries;
+    std::map<std::string, int64_t> counts;  // the controller's, as of the last cycle
+  };
+  struct Handle {
+    bool done = false;
+    std::string error;
+    bool failed = false;
+    bool has_result = false;
+    int64_t result = 0, event = 0;
+    double done_at = 0;
+  };
+
+  void run();
+  bool cycle(std::string* why);
+  void execute(SetState& set, const std::vector<ResponsePtr>& responses);
+  bool is_lane(const SetState& set, const Response& resp) const;
+  void run_lane(SetState& set, const std::vector<ResponsePtr>& batch);
+  void allreduce_group(SetState& set, const std::vector<ResponsePtr>& group);
+  void broadcast(SetState& set, const Response& resp);
+  void reduce_host(SetState& set, uintptr_t addr, int64_t count, int32_t dtype, int32_t op);
+  MpiHandle mpi_op(int32_t dtype, int32_t op);
+  Entry entry_or_zeros(SetState& set, const Response& resp);
+  void finish(SetState& set, const ResponsePtr& resp, bool has_result = false, int64_t result = 0);
+  void fail_names(SetState& set, const std::vector<std::string>& names, const std::string& error);
+  void complete_locked(int64_t handle, const std::string* error, bool has_result, int64_t result,
+                       int64_t event);
+  void stop(const std::string& reason);
+  void activity(const std::vector<std::string>& names, const char* what);
+  void flush_timeline();
+
+  EngineConfig config_;
+  Lane lane_;
+  std::unique_ptr<Mpi> mpi_;
+  mutable std::mutex mu_;
+  std::condition_variable done_cv_, wake_cv_;
+  std::map<int, std::shared_ptr<SetState>> sets_;
+  std::unordered_map<int64_t, Handle> handles_;
+  int64_t next_handle_ = 1;
+  std::thread thread_;
+  bool started_ = false;
+  std::atomic<bool> stopped_{false}, shutdown_requested_{false};
+  std::string fatal_;
+  std::atomic<double> cycle_started_{0.0};
+  std::vector<char> fusion_;
+  std::vector<std::vector<char>> zeros_keep_;
+  std::map<std::pair<int, int>, MpiHandle> user_ops_;
+  std::vector<TimelineEvent> events_;
+};
+
+double monotonic_now();
+
+}  // namespace engine
+}  // namespace aiak
