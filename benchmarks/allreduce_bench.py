@@ -40,7 +40,10 @@ Two figures of this mode are costs, where lower is better:
                             holds the GIL (chunks of about 30 us, hvd.poll between chunks;
                             rn50_grouped_busy_main), divided by the same with the main
                             thread idle in hvd.synchronize (rn50_grouped_idle_main). Both
-                            ranks do the busy work. Target <= 1.1.
+                            ranks do the busy work. Target <= 1.1. On a machine with fewer
+                            cores than busy threads (2 ranks x 2 threads on 2 cores) CPU
+                            time-sharing dominates this figure whatever the engine; run it
+                            at 1 rank to see the GIL's share alone.
 
 Algorithm mode (--algos): times the allreduce algorithms of aiak_training.allreduce directly
 (exactly what the engine calls on a fused buffer), one fp32 buffer per size, interleaved

@@ -26,14 +26,22 @@ LAYOUTS = {
                                                "HOROVOD_CACHE_CAPACITY": "0"}),
     # MPI_THREAD_SERIALIZED instead of MULTIPLE: only the engine's thread calls MPI.
     "2ranks_mpi_threads_disabled": ([2], False, {"HOROVOD_MPI_THREADS_DISABLE": "1"}),
+    # The Python engine, kept as a fallback for one release (AIAK_ENGINE=python).
+    "2ranks_python_engine": ([2], False, {"AIAK_ENGINE": "python"}),
+    "2x2_virtual_nodes_python_engine": ([2, 2], True, {"AIAK_TEST_LAYOUT": "2,2",
+                                                       "AIAK_ENGINE": "python"}),
+    "2ranks_tiny_fusion_and_cache_python_engine": (
+        [2], False, {"HOROVOD_FUSION_THRESHOLD": "4096", "HOROVOD_CACHE_CAPACITY": "3",
+                     "AIAK_ZERO_COPY_BYTES": "256", "AIAK_ENGINE": "python"}),
 }
+BOTH_FILES = ("1rank", "2ranks", "4ranks", "2x2_virtual_nodes", "2ranks_python_engine",
+              "2x2_virtual_nodes_python_engine")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_per_rank_suite(layout):
     nodes, virtual, env = LAYOUTS[layout]
-    files = PER_RANK if layout in ("1rank", "2ranks", "4ranks", "2x2_virtual_nodes") \
-        else PER_RANK[:1]
+    files = PER_RANK if layout in BOTH_FILES else PER_RANK[:1]
     proc = run_ranks(nodes, PYTEST + files, env=env, virtual_hosts=virtual)
     assert proc.returncode == 0, proc.stdout[-6000:]
     check_rank_summaries(proc.stdout, sum(nodes))

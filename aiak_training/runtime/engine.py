@@ -213,12 +213,26 @@ class Engine:
                     self.timeline.begin(req.name, "NEGOTIATE_" + OpType(req.op_type).name)
         return handles
 
+    def submit_allreduce(self, set_id: int, rank: int, name: str, dtype: int, shape: tuple,
+                         in_addr: int, out_addr: int, reduce_op: int, prescale: float,
+                         postscale: float, keep: object) -> int:
+        """One allreduce of host memory (``rank``: this rank in the set); returns its handle.
+        The frontends' per-tensor hot path: :class:`NativeEngine` takes it without building
+        Request/TensorEntry objects.  ``keep`` stays referenced until the handle is waited on."""
+        req = Request(rank, name, OpType.ALLREDUCE, dtype, shape, reduce_op, prescale, postscale)
+        entry = TensorEntry(name, dtype, shape, in_addr, out_addr, keep=keep)
+        return self.enqueue(set_id, [req], [entry])[0]
+
     def poll(self, handle: int) -> bool:
         return self.handles.poll(handle)
 
     def wait(self, handle: int) -> Handle:
         """Block until the handle completes, then forget it.  Raises on failure."""
         return self.handles.wait(handle)
+
+    def wait_result(self, handle: int):
+        """:meth:`wait`, returning only the handle's result (the frontends' hot path)."""
+        return self.wait(handle).result
 
     def wait_any(self, handles: Sequence[int], timeout: Optional[float] = None) -> List[int]:
         """Block until at least one of ``handles`` completes; return all that have, in the

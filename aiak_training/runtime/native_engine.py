@@ -211,8 +211,11 @@ class NativeEngine(Engine):
     def submit_allreduce(self, set_id: int, rank: int, name: str, dtype: int, shape: tuple,
                          in_addr: int, out_addr: int, reduce_op: int, prescale: float,
                          postscale: float, keep: object) -> int:
-        """One host allreduce on a flat set, without building Request/TensorEntry objects:
-        the frontends' hot path.  ``keep`` stays referenced until the handle is waited on."""
+        state = self._sets.get(set_id)
+        if state is None or state.algorithm is not flat_allreduce:
+            # The lane runs it (hierarchical algorithm), or enqueue raises the usual error.
+            return super().submit_allreduce(set_id, rank, name, dtype, shape, in_addr, out_addr,
+                                            reduce_op, prescale, postscale, keep)
         try:
             hid = self.core.enqueue_allreduce(set_id, rank, name, dtype, shape, in_addr,
                                               out_addr, reduce_op, prescale, postscale)
@@ -222,11 +225,6 @@ class NativeEngine(Engine):
         if self.timeline.active:
             self.timeline.begin(name, "NEGOTIATE_ALLREDUCE")
         return hid
-
-    def fast_allreduce_ok(self, set_id: int) -> bool:
-        """Whether :meth:`submit_allreduce` may be used for host tensors of ``set_id``."""
-        state = self._sets.get(set_id)
-        return state is not None and state.algorithm is flat_allreduce and self._fatal is None
 
     @staticmethod
     def _translate(exc: BaseException) -> BaseException:
@@ -244,16 +242,32 @@ class NativeEngine(Engine):
 
     def wait(self, handle: int) -> Handle:
         status, error, result, event = self.core.wait(handle)
-        if status == 2:
-            raise unknown_handle(handle)
+        if status:
+            self.wait_failed(handle, status, error)
         self._keep.pop(handle, None)
         lane_result = self.results.pop(handle, None)
-        if status == 1:
-            raise HorovodInternalError(error)
         h = Handle()
         h.done, h.event = True, event
         h.result = lane_result if lane_result is not None else result
         return h
+
+    def wait_result(self, handle: int):
+        status, error, result, _ = self.core.wait(handle)
+        if status:
+            self.wait_failed(handle, status, error)
+        self._keep.pop(handle, None)
+        if self.results:
+            lane_result = self.results.pop(handle, None)
+            if lane_result is not None:
+                return lane_result
+        return result
+
+    def wait_failed(self, handle: int, status: int, error: str) -> None:
+        self._keep.pop(handle, None)
+        self.results.pop(handle, None)
+        if status == 2:
+            raise unknown_handle(handle)
+        raise HorovodInternalError(error)
 
     def wait_any(self, handles: Sequence[int], timeout: Optional[float] = None) -> List[int]:
         try:

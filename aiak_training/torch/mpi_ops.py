@@ -317,9 +317,31 @@ def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor],
         raise ValueError("Expected at least one tensor.")
     for t in tensors:
         rop = _check_op(op, t)
+    if len(tensors) == 1 and tensors[0].is_cpu:
+        return _submit_host_allreduce(tensors[0], outputs[0], names, rop, prescale_factor,
+                                      postscale_factor, process_set, finish)
     return _submit(OpType.ALLREDUCE, list(zip(tensors, outputs)), names, process_set, finish,
                    reduce_op=int(rop), prescale=float(prescale_factor),
                    postscale=float(postscale_factor))
+
+
+def _submit_host_allreduce(src: torch.Tensor, out: torch.Tensor, names: array_ops.Names,
+                           rop: ReduceOp, prescale_factor: float, postscale_factor: float,
+                           process_set: ProcessSet, finish) -> int:
+    """One CPU tensor: the per-tensor hot path (no Request/TensorEntry objects built)."""
+    engine = current.engine()
+    set_id = process_set.process_set_id
+    set_rank = engine.rank_in_set(set_id)
+    if set_rank is None:
+        set_rank = array_ops.set_rank(process_set, engine)  # raises the right error
+    dt = _dtype(src)
+    (name,) = names.resolve(1, set_id)
+    handle = engine.submit_allreduce(set_id, set_rank, name, int(dt), tuple(src.shape),
+                                     src.data_ptr(), out.data_ptr(), int(rop),
+                                     float(prescale_factor), float(postscale_factor), (src, out))
+    wait = engine.wait_result
+    _handle_map[handle] = lambda: finish([wait(handle)])
+    return handle
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,

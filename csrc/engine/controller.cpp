@@ -251,18 +251,14 @@ void Controller::record_executed(const ResponsePtr& resp, const std::optional<Si
   }
 }
 
-std::map<std::string, int64_t> Controller::counts() const {
-  return {{"cache_entries", static_cast<int64_t>(cache_.size())},
-          {"cached_pending", static_cast<int64_t>(cached_pending_.size())},
-          {"uncached_pending", static_cast<int64_t>(to_send_.size())},
-          {"submitted_pending", static_cast<int64_t>(submitted_at_.size())},
-          {"coordinator_table", static_cast<int64_t>(table_.size())}};
-}
-
-std::vector<std::string> Controller::pending_names() const {
-  std::vector<std::string> out;
-  for (const auto& kv : submitted_at_) out.push_back(kv.first);
-  return out;
+TableCounts Controller::counts() const {
+  TableCounts c;
+  c.cache_entries = static_cast<int64_t>(cache_.size());
+  c.cached_pending = static_cast<int64_t>(cached_pending_.size());
+  c.uncached_pending = static_cast<int64_t>(to_send_.size());
+  c.submitted_pending = static_cast<int64_t>(submitted_at_.size());
+  c.coordinator_table = static_cast<int64_t>(table_.size());
+  return c;
 }
 
 std::vector<uint64_t> Controller::bit_vector(uint64_t flags, const std::vector<int>& invalid_bits) const {

@@ -49,6 +49,12 @@ class ResponseCache {
   std::unordered_map<int, std::list<int>::iterator> lru_pos_;
 };
 
+// Sizes of one set's negotiation tables (leak checks in long runs).
+struct TableCounts {
+  int64_t cache_entries = 0, cached_pending = 0, uncached_pending = 0, submitted_pending = 0,
+          coordinator_table = 0;
+};
+
 struct NegotiationResult {
   std::vector<ResponsePtr> responses;
   bool shutdown = false;
@@ -64,9 +70,7 @@ class Controller {
   NegotiationResult negotiate(std::vector<Request> new_requests, bool want_shutdown, double now);
   void record_executed(const ResponsePtr& resp, const std::optional<Signature>& sig);
   void mark_unjoined() { joined_ = false; }
-  std::map<std::string, int64_t> counts() const;
-  // Names this rank submitted and still waits for (the watchdog names them when it fires).
-  std::vector<std::string> pending_names() const;
+  TableCounts counts() const;
   int rank() const { return rank_; }
   int size() const { return size_; }
 

@@ -65,6 +65,7 @@ void Engine::add_set(int set_id, MpiHandle comm, int rank, int size, bool flat) 
   state->controller = std::make_unique<Controller>(
       mpi_.get(), config_.types, comm, rank, size, config_.cache_capacity, config_.stall_check_s,
       config_.stall_shutdown_s);
+  state->counts = state->controller->counts();
   std::lock_guard<std::mutex> lock(mu_);
   sets_[set_id] = std::move(state);
 }
@@ -177,10 +178,16 @@ bool Engine::cycle(std::string* why) {
       *why = shutdown_requested_ ? "" : result.shutdown_reason;
       return true;
     }
+    {
+      // Before anything completes: a waiter that reads counts() then sees this cycle's.
+      auto counts = set->controller->counts();
+      std::lock_guard<std::mutex> lock(mu_);
+      set->counts = counts;
+    }
     if (!result.responses.empty()) execute(*set, result.responses);
     auto counts = set->controller->counts();
     std::lock_guard<std::mutex> lock(mu_);
-    set->counts = std::move(counts);
+    set->counts = counts;
   }
   return false;
 }
@@ -276,24 +283,29 @@ void Engine::complete_locked(int64_t handle, const std::string* error, bool has_
 }
 
 void Engine::finish(SetState& set, const ResponsePtr& resp, bool has_result, int64_t result) {
-  std::vector<std::optional<Signature>> sigs;
+  std::vector<std::pair<int64_t, std::optional<Signature>>> done;  // (handle or -1, signature)
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& name : resp->names) {
       auto it = set.entries.find(name);
       if (it == set.entries.end()) {
-        sigs.emplace_back();
+        done.emplace_back(-1, std::nullopt);
         continue;
       }
-      sigs.emplace_back(std::move(it->second.signature));
-      complete_locked(it->second.handle, nullptr, has_result, result, 0);
+      done.emplace_back(it->second.handle, std::move(it->second.signature));
       set.entries.erase(it);
     }
   }
+  // Cache first, then complete: a waiter woken by the completion reads up-to-date counts.
   for (size_t i = 0; i < resp->names.size(); ++i) {
     if (timeline_on) events_.push_back({resp->names[i], "", monotonic_now()});
-    set.controller->record_executed(resp, sigs[i]);
+    set.controller->record_executed(resp, done[i].second);
   }
+  auto counts = set.controller->counts();
+  std::lock_guard<std::mutex> lock(mu_);
+  set.counts = counts;
+  for (const auto& d : done)
+    if (d.first >= 0) complete_locked(d.first, nullptr, has_result, result, 0);
 }
 
 void Engine::finish_name(int set_id, const std::string& name, const std::string& error,
@@ -399,11 +411,19 @@ std::map<std::string, int64_t> Engine::counts() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::map<std::string, int64_t> out{{"open_handles", static_cast<int64_t>(handles_.size())},
                                      {"process_sets", static_cast<int64_t>(sets_.size())},
-                                     {"entries", 0}, {"queued_requests", 0}};
+                                     {"entries", 0}, {"queued_requests", 0},
+                                     {"cache_entries", 0}, {"cached_pending", 0},
+                                     {"uncached_pending", 0}, {"submitted_pending", 0},
+                                     {"coordinator_table", 0}};
   for (const auto& kv : sets_) {
     out["entries"] += static_cast<int64_t>(kv.second->entries.size());
     out["queued_requests"] += static_cast<int64_t>(kv.second->queue.size());
-    for (const auto& c : kv.second->counts) out[c.first] += c.second;
+    const TableCounts& c = kv.second->counts;
+    out["cache_entries"] += c.cache_entries;
+    out["cached_pending"] += c.cached_pending;
+    out["uncached_pending"] += c.uncached_pending;
+    out["submitted_pending"] += c.submitted_pending;
+    out["coordinator_table"] += c.coordinator_table;
   }
   out["fusion_buffer_bytes"] = static_cast<int64_t>(fusion_.size());
   return out;
@@ -516,6 +536,9 @@ void Engine::run_lane(SetState& set, const std::vector<ResponsePtr>& batch) {
     if (batch[k]->op_type == ERROR) continue;
     for (const auto& sig : sigs[k]) set.controller->record_executed(batch[k], sig);
   }
+  auto counts = set.controller->counts();
+  std::lock_guard<std::mutex> lock(mu_);
+  set.counts = counts;
 }
 
 Entry Engine::entry_or_zeros(SetState& set, const Response& resp) {

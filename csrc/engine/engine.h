@@ -124,7 +124,7 @@ class Engine {
     std::unique_ptr<Controller> controller;
     std::vector<Request> queue;
     std::unordered_map<std::string, Entry> entries;
-    std::map<std::string, int64_t> counts;  // the controller's, as of the last cycle
+    TableCounts counts;  // the controller's, as of its last change seen by a waiter
   };
   struct Handle {
     bool done = false;

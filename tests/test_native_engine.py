@@ -1,0 +1,35 @@
+"""The native engine (csrc/engine/): its C ABI, and the choice between it and the Python
+engine.  Everything else it does is covered by the per-rank suites, which run on it by
+default and on the Python engine in the ``*_python_engine`` layouts."""
+import sys
+
+import pytest
+
+from launch import run_ranks
+
+KIND = [sys.executable, "-c",
+        "import aiak_training.torch as hvd; hvd.init(); "
+        "import os; from aiak_training.runtime import current; "
+        "os.write(1, f'engine={current.engine().kind};'.encode())"]
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_c_abi_enqueue_and_wait(nranks):
+    proc = run_ranks([nranks], [sys.executable, "tests/scripts/c_abi.py"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.stdout.count("c abi checks passed") == nranks, proc.stdout[-4000:]
+
+
+@pytest.mark.parametrize("setting, kind", [(None, "native"), ("native", "native"),
+                                           ("python", "python"), ("PYTHON", "python")])
+def test_engine_selection(setting, kind):
+    env = {} if setting is None else {"AIAK_ENGINE": setting}
+    proc = run_ranks([2], KIND, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.stdout.count(f"engine={kind};") == 2, proc.stdout
+
+
+def test_unknown_engine_is_a_clear_error():
+    proc = run_ranks([1], KIND, env={"AIAK_ENGINE": "rust"}, timeout=120)
+    assert proc.returncode != 0
+    assert "AIAK_ENGINE='rust': expected one of native, python." in proc.stdout, proc.stdout
