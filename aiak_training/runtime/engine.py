@@ -208,10 +208,14 @@ class Engine:
                 state.entries[entry.name] = entry
                 handles.append(hid)
             state.queue += requests
-            if self.timeline.active:
-                for req in requests:
-                    self.timeline.begin(req.name, "NEGOTIATE_" + OpType(req.op_type).name)
+            self._trace_submitted(requests)
         return handles
+
+    def _trace_submitted(self, requests: List[Request]) -> None:
+        """Open each request's NEGOTIATE_<OP> span on the timeline (when one records)."""
+        if self.timeline.active:
+            for req in requests:
+                self.timeline.begin(req.name, "NEGOTIATE_" + OpType(req.op_type).name)
 
     def submit_allreduce(self, set_id: int, rank: int, name: str, dtype: int, shape: tuple,
                          in_addr: int, out_addr: int, reduce_op: int, prescale: float,

@@ -199,13 +199,10 @@ class NativeEngine(Engine):
             for name in lane_names:
                 state.entries.pop(name, None)
             raise self._translate(exc) from None
-        keep = self._keep
         for hid, entry in zip(handles, entries):
             entry.handle = hid
-            keep[hid] = entry
-        if self.timeline.active:
-            for req in requests:
-                self.timeline.begin(req.name, "NEGOTIATE_" + OpType(req.op_type).name)
+            self._keep[hid] = entry
+        self._trace_submitted(requests)
         return handles
 
     def submit_allreduce(self, set_id: int, rank: int, name: str, dtype: int, shape: tuple,

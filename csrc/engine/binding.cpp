@@ -60,14 +60,7 @@ void parse(const py::handle& t, std::vector<Request>* reqs, std::vector<Entry>* 
   r.splits = to_opt(tup[9]);
   r.payload = to_opt(tup[10]);
   r.device = tup[11].cast<int32_t>();
-  Entry e;
-  e.name = r.name;
-  e.dtype = r.dtype;
-  e.count = 1;
-  for (int64_t d : r.shape) e.count *= d;
-  e.nbytes = e.count * itemsize(r.dtype);
-  e.in = tup[12].cast<uintptr_t>();
-  e.out = tup[13].cast<uintptr_t>();
+  Entry e = make_entry(r, tup[12].cast<uintptr_t>(), tup[13].cast<uintptr_t>());
   e.lane = tup[14].cast<bool>();
   reqs->push_back(std::move(r));
   entries->push_back(std::move(e));
@@ -209,24 +202,16 @@ void register_engine(py::module_& m) {
            [](Engine& e, int set_id, int rank, std::string name, int dtype, py::tuple shape,
               uintptr_t in, uintptr_t out, int reduce_op, double prescale, double postscale) {
              std::vector<Request> reqs(1);
-             std::vector<Entry> entries(1);
              Request& r = reqs[0];
              r.rank = rank;
+             r.name = std::move(name);
              r.op_type = ALLREDUCE;
              r.dtype = dtype;
              r.shape = to_shape(shape);
              r.reduce_op = reduce_op;
              r.prescale = prescale;
              r.postscale = postscale;
-             Entry& en = entries[0];
-             en.dtype = dtype;
-             en.count = 1;
-             for (int64_t d : r.shape) en.count *= d;
-             en.nbytes = en.count * itemsize(dtype);
-             en.in = in;
-             en.out = out;
-             r.name = name;
-             en.name = std::move(name);
+             std::vector<Entry> entries{make_entry(r, in, out)};
              py::gil_scoped_release release;
              return e.enqueue(set_id, std::move(reqs), std::move(entries))[0];
            })
@@ -303,7 +288,6 @@ __attribute__((visibility("default"))) int64_t aiak_engine_enqueue(
     int rank = e->set_rank(set_id);
     if (rank < 0) throw std::invalid_argument("this rank is not in process set " + std::to_string(set_id));
     std::vector<Request> reqs(1);
-    std::vector<Entry> entries(1);
     Request& r = reqs[0];
     r.rank = rank;
     r.name = name;
@@ -314,14 +298,8 @@ __attribute__((visibility("default"))) int64_t aiak_engine_enqueue(
     r.prescale = prescale;
     r.postscale = postscale;
     r.root = op_type == BROADCAST ? root : -1;
-    Entry& en = entries[0];
-    en.name = name;
-    en.dtype = dtype;
-    en.count = 1;
-    for (int64_t d : r.shape) en.count *= d;
-    en.nbytes = en.count * aiak::itemsize(dtype);
-    en.in = reinterpret_cast<uintptr_t>(input);
-    en.out = reinterpret_cast<uintptr_t>(output);
+    std::vector<Entry> entries{make_entry(r, reinterpret_cast<uintptr_t>(input),
+                                          reinterpret_cast<uintptr_t>(output))};
     return e->enqueue(set_id, std::move(reqs), std::move(entries))[0];
   } catch (const std::exception& exc) {
     copy_error(exc.what(), error, error_len);

@@ -192,11 +192,10 @@ bool Engine::cycle(std::string* why) {
   return false;
 }
 
-void Engine::stop(const std::string& reason) {
+void Engine::fail_all(const std::string& reason) {
   std::vector<std::shared_ptr<SetState>> sets;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stopped_ = true;
     for (const auto& kv : sets_) sets.push_back(kv.second);
   }
   for (const auto& set : sets) {
@@ -207,6 +206,14 @@ void Engine::stop(const std::string& reason) {
     }
     fail_names(*set, names, reason);
   }
+}
+
+void Engine::stop(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+  }
+  fail_all(reason);
   if (fatal().empty()) {
     for (auto& kv : user_ops_) mpi_->op_free(kv.second);
   }
@@ -215,20 +222,11 @@ void Engine::stop(const std::string& reason) {
 }
 
 void Engine::abandon(const std::string& reason) {
-  std::vector<std::shared_ptr<SetState>> sets;
   {
     std::lock_guard<std::mutex> lock(mu_);
     fatal_ = reason;
-    for (const auto& kv : sets_) sets.push_back(kv.second);
   }
-  for (const auto& set : sets) {
-    std::vector<std::string> names;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& kv : set->entries) names.push_back(kv.first);
-    }
-    fail_names(*set, names, reason);
-  }
+  fail_all(reason);
 }
 
 // ---- submission and completion ----------------------------------------------------------------

@@ -23,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/dtypes.h"
 #include "engine/controller.h"
 #include "engine/messages.h"
 #include "engine/mpi.h"
@@ -52,6 +53,19 @@ struct Entry {
   Signature signature;
   bool lane = false;  // executed by the Python lane
 };
+
+// This rank's entry for request `r`, whose data is at `in` (result at `out`).
+inline Entry make_entry(const Request& r, uintptr_t in, uintptr_t out) {
+  Entry e;
+  e.name = r.name;
+  e.dtype = r.dtype;
+  e.count = 1;
+  for (int64_t d : r.shape) e.count *= d;
+  e.nbytes = e.count * itemsize(r.dtype);
+  e.in = in;
+  e.out = out;
+  return e;
+}
 
 // How a call into the engine failed, for the binding to raise the right Python exception.
 class EngineStopped : public std::runtime_error {  // HorovodInternalError
@@ -150,6 +164,7 @@ class Engine {
   void complete_locked(int64_t handle, const std::string* error, bool has_result, int64_t result,
                        int64_t event);
   void stop(const std::string& reason);
+  void fail_all(const std::string& reason);
   void activity(const std::vector<std::string>& names, const char* what);
   void flush_timeline();
 
