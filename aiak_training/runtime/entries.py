@@ -179,10 +179,8 @@ class SetState:
     queue: List[Request] = field(default_factory=list)
     entries: Dict[str, TensorEntry] = field(default_factory=dict)
 
-    @property
-    def size(self) -> int:
-        return self.comm.Get_size()
-
-    @property
-    def rank(self) -> int:
-        return self.comm.Get_rank()
+    def __post_init__(self) -> None:
+        # Read once: the submission path asks for the rank per tensor, and each Get_rank is
+        # an MPI call.
+        self.size: int = self.comm.Get_size()
+        self.rank: int = self.comm.Get_rank()

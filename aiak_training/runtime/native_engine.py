@@ -100,6 +100,7 @@ class NativeEngine(Engine):
         self.core.zero_copy_bytes = config.zero_copy_bytes
         self.results: Dict[int, object] = {}   # handle -> result of a lane-executed op
         self._keep: Dict[int, object] = {}     # handle -> memory the op uses
+        self._flat_sets = set()                # sets whose host allreduce runs natively
         self._completer = _LaneCompleter(self)
         self.executor.completer = self._completer
         self.timeline.on_active = self._timeline_changed
@@ -163,10 +164,13 @@ class NativeEngine(Engine):
     def _register_set(self, set_id: int, ranks: List[int], comm: MPI.Comm) -> None:
         super()._register_set(set_id, ranks, comm)
         state = self._sets[set_id]
-        self.core.add_set(set_id, _handle(comm), state.rank, state.size,
-                          state.algorithm is flat_allreduce)
+        flat = state.algorithm is flat_allreduce
+        self.core.add_set(set_id, _handle(comm), state.rank, state.size, flat)
+        if flat:
+            self._flat_sets.add(set_id)
 
     def _remove_set(self, set_id: int) -> bool:
+        self._flat_sets.discard(set_id)
         removed = super()._remove_set(set_id)
         if removed:
             self.core.remove_set(set_id, f"Process set {set_id} was removed.")
@@ -177,7 +181,7 @@ class NativeEngine(Engine):
         if self._fatal is not None:
             raise HorovodInternalError(self._fatal)
         state = self._sets.get(set_id)
-        flat = state is not None and state.algorithm is flat_allreduce
+        flat = set_id in self._flat_sets
         tuples, lane_names = [], []
         for req, entry in zip(requests, entries):
             op = req.op_type
@@ -208,8 +212,7 @@ class NativeEngine(Engine):
     def submit_allreduce(self, set_id: int, rank: int, name: str, dtype: int, shape: tuple,
                          in_addr: int, out_addr: int, reduce_op: int, prescale: float,
                          postscale: float, keep: object) -> int:
-        state = self._sets.get(set_id)
-        if state is None or state.algorithm is not flat_allreduce:
+        if set_id not in self._flat_sets:
             # The lane runs it (hierarchical algorithm), or enqueue raises the usual error.
             return super().submit_allreduce(set_id, rank, name, dtype, shape, in_addr, out_addr,
                                             reduce_op, prescale, postscale, keep)
@@ -249,9 +252,12 @@ class NativeEngine(Engine):
         return h
 
     def wait_result(self, handle: int):
-        status, error, result, _ = self.core.wait(handle)
-        if status:
-            self.wait_failed(handle, status, error)
+        try:
+            result = self.core.wait_result(handle)
+        except IndexError:
+            self.wait_failed(handle, 2, "")
+        except native.EngineStopped as exc:
+            self.wait_failed(handle, 1, str(exc))
         self._keep.pop(handle, None)
         if self.results:
             lane_result = self.results.pop(handle, None)

@@ -236,6 +236,20 @@ void register_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(), py::arg("handle"),
            "The completion cudaEvent_t of a done GPU handle (0 otherwise).")
       .def("handle_of", &Engine::handle_of, py::call_guard<py::gil_scoped_release>())
+      .def("wait_result",
+           // wait() for the hot path: the result (or None), no status tuple to build.
+           // Raises IndexError for an unknown handle, EngineStopped for a failed one.
+           [](Engine& e, int64_t handle) -> py::object {
+             WaitResult w;
+             {
+               py::gil_scoped_release release;
+               w = e.wait(handle, true);
+             }
+             if (w.unknown) throw std::out_of_range(std::to_string(handle));
+             if (w.failed) throw EngineStopped(w.error);
+             return w.has_result ? py::object(py::int_(w.result)) : py::object(py::none());
+           },
+           py::arg("handle"))
       .def("wait_any",
            [](Engine& e, const std::vector<int64_t>& handles, double timeout) {
              py::gil_scoped_release release;

@@ -133,7 +133,8 @@ void Engine::run() {
       if (remaining > 0 && !shutdown_requested_) {
         lock.lock();
         wake_cv_.wait_for(lock, std::chrono::duration<double>(remaining),
-                          [this] { return shutdown_requested_.load(); });
+                          [this] { return shutdown_requested_.load() || waiter_blocked_; });
+        waiter_blocked_ = false;
         lock.unlock();
       }
     }
@@ -281,23 +282,35 @@ void Engine::complete_locked(int64_t handle, const std::string* error, bool has_
 }
 
 void Engine::finish(SetState& set, const ResponsePtr& resp, bool has_result, int64_t result) {
+  finish(set, std::vector<ResponsePtr>{resp}, has_result, result);
+}
+
+void Engine::finish(SetState& set, const std::vector<ResponsePtr>& responses, bool has_result,
+                    int64_t result) {
+  // One lock to take the entries out, one to complete them: the submitting thread contends
+  // for this lock, so it is taken per batch, not per tensor.
   std::vector<std::pair<int64_t, std::optional<Signature>>> done;  // (handle or -1, signature)
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& name : resp->names) {
-      auto it = set.entries.find(name);
-      if (it == set.entries.end()) {
-        done.emplace_back(-1, std::nullopt);
-        continue;
+    for (const auto& resp : responses) {
+      for (const auto& name : resp->names) {
+        auto it = set.entries.find(name);
+        if (it == set.entries.end()) {
+          done.emplace_back(-1, std::nullopt);
+          continue;
+        }
+        done.emplace_back(it->second.handle, std::move(it->second.signature));
+        set.entries.erase(it);
       }
-      done.emplace_back(it->second.handle, std::move(it->second.signature));
-      set.entries.erase(it);
     }
   }
   // Cache first, then complete: a waiter woken by the completion reads up-to-date counts.
-  for (size_t i = 0; i < resp->names.size(); ++i) {
-    if (timeline_on) events_.push_back({resp->names[i], "", monotonic_now()});
-    set.controller->record_executed(resp, done[i].second);
+  size_t k = 0;
+  for (const auto& resp : responses) {
+    for (const auto& name : resp->names) {
+      if (timeline_on) events_.push_back({name, "", monotonic_now()});
+      set.controller->record_executed(resp, done[k++].second);
+    }
   }
   auto counts = set.controller->counts();
   std::lock_guard<std::mutex> lock(mu_);
@@ -339,6 +352,12 @@ WaitResult Engine::wait(int64_t handle, bool forget) {
   if (it == handles_.end()) {
     out.unknown = true;
     return out;
+  }
+  if (!it->second.done) {
+    // Someone waits on a tensor still queued: the cycle's pause exists to let more tensors
+    // join a batch, and a caller blocked here submits none, so start the next cycle now.
+    waiter_blocked_ = true;
+    wake_cv_.notify_one();
   }
   while (!it->second.done) {
     done_cv_.wait_for(lock, std::chrono::milliseconds(500));
@@ -479,7 +498,7 @@ void Engine::execute(SetState& set, const std::vector<ResponsePtr>& responses) {
       case BROADCAST:
         activity(resp->names, nullptr);
         activity(resp->names, "BROADCAST");
-        broadcast(set, *resp);
+        broadcast(set, resp);
         finish(set, resp);
         break;
       case ALLREDUCE: {
@@ -539,32 +558,37 @@ void Engine::run_lane(SetState& set, const std::vector<ResponsePtr>& batch) {
   set.counts = counts;
 }
 
-Entry Engine::entry_or_zeros(SetState& set, const Response& resp) {
+std::vector<Entry> Engine::entries_or_zeros(SetState& set, const std::vector<ResponsePtr>& group) {
+  std::vector<Entry> out(group.size());
+  std::vector<size_t> missing;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = set.entries.find(resp.names[0]);
-    if (it != set.entries.end()) {
-      Entry copy;
-      copy.name = it->second.name;
-      copy.dtype = it->second.dtype;
-      copy.count = it->second.count;
-      copy.nbytes = it->second.nbytes;
-      copy.in = it->second.in;
-      copy.out = it->second.out;
-      copy.handle = it->second.handle;
-      return copy;
+    for (size_t i = 0; i < group.size(); ++i) {
+      auto it = set.entries.find(group[i]->names[0]);
+      if (it == set.entries.end()) {
+        missing.push_back(i);
+        continue;
+      }
+      const Entry& e = it->second;
+      out[i].dtype = e.dtype;
+      out[i].count = e.count;
+      out[i].nbytes = e.nbytes;
+      out[i].in = e.in;
+      out[i].out = e.out;
     }
   }
-  // This rank joined (hvd.join): it takes part with zeros of the agreed shape.
-  Entry zeros;
-  zeros.name = resp.names[0];
-  zeros.dtype = resp.dtype;
-  zeros.count = 1;
-  for (int64_t d : resp.shapes.at(0).at(set.rank)) zeros.count *= d;
-  zeros.nbytes = zeros.count * itemsize(resp.dtype);
-  zeros_keep_.emplace_back(std::max<int64_t>(zeros.nbytes, 1), 0);
-  zeros.in = zeros.out = reinterpret_cast<uintptr_t>(zeros_keep_.back().data());
-  return zeros;
+  for (size_t i : missing) {
+    // This rank joined (hvd.join): it takes part with zeros of the agreed shape.
+    const Response& resp = *group[i];
+    Entry& zeros = out[i];
+    zeros.dtype = resp.dtype;
+    zeros.count = 1;
+    for (int64_t d : resp.shapes.at(0).at(set.rank)) zeros.count *= d;
+    zeros.nbytes = zeros.count * itemsize(resp.dtype);
+    zeros_keep_.emplace_back(std::max<int64_t>(zeros.nbytes, 1), 0);
+    zeros.in = zeros.out = reinterpret_cast<uintptr_t>(zeros_keep_.back().data());
+  }
+  return out;
 }
 
 MpiHandle Engine::mpi_op(int32_t dtype, int32_t op) {
@@ -617,10 +641,9 @@ void Engine::allreduce_group(SetState& set, const std::vector<ResponsePtr>& grou
   const int64_t zero_copy = zero_copy_bytes.load();
   const int item = itemsize(dtype);
   std::vector<std::pair<ResponsePtr, Entry>> packed, in_place;
-  for (const auto& r : group) {
-    Entry e = entry_or_zeros(set, *r);
-    (e.nbytes < zero_copy ? packed : in_place).emplace_back(r, std::move(e));
-  }
+  auto entries = entries_or_zeros(set, group);
+  for (size_t i = 0; i < group.size(); ++i)
+    (entries[i].nbytes < zero_copy ? packed : in_place).emplace_back(group[i], std::move(entries[i]));
   if (packed.size() == 1) {  // a lone small tensor gains nothing from the fusion buffer
     in_place.push_back(std::move(packed[0]));
     packed.clear();
@@ -670,11 +693,14 @@ void Engine::allreduce_group(SetState& set, const std::vector<ResponsePtr>& grou
     off += e.nbytes;
   }
   activity(names, nullptr);
-  for (const auto& [resp, e] : packed) finish(set, resp);
+  std::vector<ResponsePtr> landed;
+  for (const auto& p : packed) landed.push_back(p.first);
+  finish(set, landed);
 }
 
-void Engine::broadcast(SetState& set, const Response& resp) {
-  Entry e = entry_or_zeros(set, resp);
+void Engine::broadcast(SetState& set, const ResponsePtr& resp_ptr) {
+  const Response& resp = *resp_ptr;
+  Entry e = entries_or_zeros(set, {resp_ptr})[0];
   if (set.rank == resp.root && e.in != e.out && e.count)
     std::memcpy(reinterpret_cast<void*>(e.out), reinterpret_cast<const void*>(e.in), e.nbytes);
   activity(resp.names, "MPI_BCAST");

@@ -155,11 +155,14 @@ class Engine {
   bool is_lane(const SetState& set, const Response& resp) const;
   void run_lane(SetState& set, const std::vector<ResponsePtr>& batch);
   void allreduce_group(SetState& set, const std::vector<ResponsePtr>& group);
-  void broadcast(SetState& set, const Response& resp);
+  void broadcast(SetState& set, const ResponsePtr& resp);
   void reduce_host(SetState& set, uintptr_t addr, int64_t count, int32_t dtype, int32_t op);
   MpiHandle mpi_op(int32_t dtype, int32_t op);
-  Entry entry_or_zeros(SetState& set, const Response& resp);
+  // This rank's entries of `group` (copies), zeros of the agreed shape where it joined.
+  std::vector<Entry> entries_or_zeros(SetState& set, const std::vector<ResponsePtr>& group);
   void finish(SetState& set, const ResponsePtr& resp, bool has_result = false, int64_t result = 0);
+  void finish(SetState& set, const std::vector<ResponsePtr>& responses, bool has_result = false,
+              int64_t result = 0);
   void fail_names(SetState& set, const std::vector<std::string>& names, const std::string& error);
   void complete_locked(int64_t handle, const std::string* error, bool has_result, int64_t result,
                        int64_t event);
@@ -180,6 +183,7 @@ class Engine {
   bool started_ = false;
   std::atomic<bool> stopped_{false}, shutdown_requested_{false};
   std::string fatal_;
+  bool waiter_blocked_ = false;  // a wait() found its handle pending: skip the cycle's pause
   std::atomic<double> cycle_started_{0.0};
   std::vector<char> fusion_;
   std::vector<std::vector<char>> zeros_keep_;
