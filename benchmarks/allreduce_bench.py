@@ -29,7 +29,7 @@ Ratios (above 1 means aiak-training is better):
                             packed in 25 MiB buckets (what DDP does, averaging included),
                             divided by hvd.grouped_allreduce_ time. Target >= 1.0.
 
-Two figures of this mode are costs, where lower is better:
+These figures of this mode are costs, where lower is better:
 
   per_tensor_overhead_us    what the engine spends per small tensor beyond raw MPI on the
                             fused path, in microseconds (not a ratio): (small200_fused -
@@ -42,8 +42,16 @@ Two figures of this mode are costs, where lower is better:
                             thread idle in hvd.synchronize (rn50_grouped_idle_main). Both
                             ranks do the busy work. Target <= 1.1. On a machine with fewer
                             cores than busy threads (2 ranks x 2 threads on 2 cores) CPU
-                            time-sharing dominates this figure whatever the engine; run it
-                            at 1 rank to see the GIL's share alone.
+                            time-sharing dominates this figure whatever the engine; the two
+                            figures below separate it from the GIL's share.
+  cpu_contention_slowdown   the same grouped allreduce with the main thread idle while a
+                            separate pure-Python process per rank spins on the CPU
+                            (rn50_grouped_busy_process), divided by rn50_grouped_idle_main:
+                            the slowdown that sharing the cores alone causes, with no GIL
+                            shared.  A machine figure, not a target.
+  gil_share_of_slowdown     rn50_grouped_busy_main / rn50_grouped_busy_process: what the
+                            busy thread costs beyond the same CPU load in another process,
+                            i.e. the GIL's part.  1.0 means none; the GIL-free engine's aim.
 
 Algorithm mode (--algos): times the allreduce algorithms of aiak_training.allreduce directly
 (exactly what the engine calls on a fused buffer), one fp32 buffer per size, interleaved
@@ -84,6 +92,7 @@ bus bandwidth in GB/s: bytes / time * 2 (p - 1) / p, as nccl-tests reports it.
 import argparse
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -253,6 +262,21 @@ def main():
             hvd.synchronize(h)  # already done: only hands back the result
         return timed(body, barrier)
 
+    spin_argv = [sys.executable, "-c", "while True:\n    pass"]
+
+    def rn50_busy_process():
+        # The same CPU load as the busy main thread, in another process: no GIL shared.
+        spinner = subprocess.Popen(spin_argv)
+        try:
+            time.sleep(0.05)  # let it start spinning before the timed region
+            def body():
+                h = hvd.grouped_allreduce_async_(grads, name="gil")
+                hvd.synchronize(h)
+            return timed(body, barrier)
+        finally:
+            spinner.kill()
+            spinner.wait()
+
     variants = {"raw_mpi_allreduce": raw_mpi, "hvd_grouped_allreduce": grouped,
                 "hvd_grouped_allreduce_inplace": grouped_inplace,
                 "small200_fused": small_tensors(default_threshold),
@@ -261,7 +285,8 @@ def main():
                 "raw_mpi_small200_packed": raw_small_packed,
                 "api_floor_small200": api_floor,
                 "rn50_grouped_idle_main": rn50_idle_main,
-                "rn50_grouped_busy_main": rn50_busy_main}
+                "rn50_grouped_busy_main": rn50_busy_main,
+                "rn50_grouped_busy_process": rn50_busy_process}
 
     if not args.no_gloo:
         port = comm.bcast(_free_port() if rank == 0 else None, root=0)
@@ -304,6 +329,9 @@ def main():
                                    "main_thread": "pure-Python busy work, poll between chunks",
                                    "chunk_us": round(busy_chunk_s * 1e6, 2),
                                    "chunk_iters": busy_iters},
+        "rn50_grouped_busy_process": {"bytes": total * 4, "tensors": len(shapes),
+                                      "main_thread": "idle in synchronize",
+                                      "other_process": "one pure-Python spinner per rank"},
         "gloo_ddp_buckets": {"bytes": total * 4, "bucket_bytes": BUCKET_BYTES},
     }
     # Rank 0 reports; every rank timed between the same barriers.
@@ -323,6 +351,10 @@ def main():
             (med["small200_fused"] - med["raw_mpi_small200_packed"] - med["api_floor_small200"])
             / 200 * 1e6,
         "gil_contention_slowdown": med["rn50_grouped_busy_main"] / med["rn50_grouped_idle_main"],
+        "cpu_contention_slowdown":
+            med["rn50_grouped_busy_process"] / med["rn50_grouped_idle_main"],
+        "gil_share_of_slowdown":
+            med["rn50_grouped_busy_main"] / med["rn50_grouped_busy_process"],
     }
     if "gloo_ddp_buckets" in med:
         ratios["vs_gloo_ddp_buckets"] = med["gloo_ddp_buckets"] / med["hvd_grouped_allreduce_inplace"]
@@ -331,7 +363,8 @@ def main():
         machine["engine"] = engine_kind
         report("allreduce_bench", machine, results, ratios, args.json)
         print("  (per_tensor_overhead_us is a cost in us, target <= 3; gil_contention_slowdown "
-              "target <= 1.1: for these two, lower is better)")
+              "target <= 1.1; cpu_contention_slowdown and gil_share_of_slowdown explain it: "
+              "for these four, lower is better)")
     if not args.no_gloo:
         dist.destroy_process_group()
     hvd.shutdown()

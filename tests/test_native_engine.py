@@ -33,3 +33,34 @@ def test_unknown_engine_is_a_clear_error():
     proc = run_ranks([1], KIND, env={"AIAK_ENGINE": "rust"}, timeout=120)
     assert proc.returncode != 0
     assert "AIAK_ENGINE='rust': expected one of native, python." in proc.stdout, proc.stdout
+
+
+ABANDON = [sys.executable, "-c", """
+import torch
+import aiak_training.torch as hvd
+from aiak_training.runtime import current
+hvd.init()
+engine = current.engine()
+assert engine.kind == "native"
+h = hvd.allreduce_async(torch.ones(3), name="queued")
+engine.abandon("watchdog says stop")
+for call in (lambda: hvd.synchronize(h), lambda: hvd.allreduce(torch.ones(2), name="late")):
+    try:
+        call()
+        raise SystemExit("UNEXPECTED: no error")
+    except hvd.HorovodInternalError as exc:
+        assert "watchdog says stop" in str(exc), exc
+try:
+    hvd.synchronize(h)
+    raise SystemExit("UNEXPECTED: handle reused")
+except ValueError as exc:
+    assert "was not created or has been cleared" in str(exc), exc
+print("abandon checks passed", flush=True)
+"""]
+
+
+def test_failures_reach_python_as_horovod_errors():
+    # A failed handle and a refused submission both raise HorovodInternalError with the
+    # reason, and a consumed handle raises ValueError, as on the Python engine.
+    proc = run_ranks([1], ABANDON, env={"HOROVOD_CYCLE_TIME": "500"}, timeout=120)
+    assert "abandon checks passed" in proc.stdout, proc.stdout[-3000:]

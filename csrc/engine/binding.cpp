@@ -159,8 +159,8 @@ void copy_error(const std::string& text, char* out, size_t len) {
 
 void register_engine(py::module_& m) {
   using namespace engine;
-  static py::exception<EngineStopped> stopped(m, "EngineStopped", PyExc_RuntimeError);
-  static py::exception<BadRequest> bad(m, "BadRequest", PyExc_ValueError);
+  py::register_exception<EngineStopped>(m, "EngineStopped", PyExc_RuntimeError);
+  py::register_exception<BadRequest>(m, "BadRequest", PyExc_ValueError);
 
   py::class_<Engine>(m, "EngineCore",
                      "The native engine (csrc/engine/): negotiation, fusion and host MPI calls "
