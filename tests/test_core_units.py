@@ -284,3 +284,15 @@ def test_compression_fp16_roundtrip():
     i = torch.tensor([1, 2])
     c, ctx = hvd.Compression.fp16.compress(i)
     assert c.dtype == torch.int64 and hvd.Compression.fp16.decompress(c, ctx) is c
+
+
+def test_native_float_repr_matches_python():
+    # The native coordinator words "Mismatched prescale ... factors" with Python's float
+    # repr, so both engines raise the same text.
+    rng = np.random.default_rng(0)
+    values = [0.0, -0.0, 1.0, 0.5, 2.0, 1 / 3, 0.1, 1e-5, 1e-4, 123456.0, 1e15, 1e16, 1.5e16,
+              1e-300, 5e-324, 1.7976931348623157e308, float("inf"), -float("inf"), -2.5,
+              9007199254740993.0, 0.30000000000000004, 100.0, 1234567890123456.0]
+    values += list(rng.standard_normal(2000) * 10.0 ** rng.integers(-20, 20, 2000))
+    for v in values:
+        assert native.float_repr(float(v)) == repr(float(v)), v

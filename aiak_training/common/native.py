@@ -2,7 +2,8 @@
 try:
     from aiak_training._native import (BadRequest, EngineCore, EngineStopped,  # noqa: F401
                                        HierNode, bf16_roundtrip, copy_batch, copy_scaled_batch,
-                                       half_roundtrip, reduce, reduce_many, scale)
+                                       float_repr, half_roundtrip, reduce, reduce_many,
+                                       scale)
 except ImportError as exc:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
         "aiak_training's C++ extension is not built. Install the package with "

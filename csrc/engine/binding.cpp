@@ -162,6 +162,9 @@ void register_engine(py::module_& m) {
   py::register_exception<EngineStopped>(m, "EngineStopped", PyExc_RuntimeError);
   py::register_exception<BadRequest>(m, "BadRequest", PyExc_ValueError);
 
+  m.def("float_repr", &python_float_repr, py::arg("x"),
+        "repr() of a float as the native engine writes it into messages (for tests).");
+
   py::class_<Engine>(m, "EngineCore",
                      "The native engine (csrc/engine/): negotiation, fusion and host MPI calls "
                      "on a thread that never takes the GIL.")

@@ -66,7 +66,7 @@ std::string python_float_repr(double x) {
   if (std::isnan(x)) return "nan";
   if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
   // Shortest digit string that reads back as x (what repr() prints), laid out as Python
-  // does: positional for exponents in [-5, 16), scientific otherwise.
+  // does: positional for exponents in [-4, 16), scientific otherwise.
   char buf[64];
   int precision = 1;
   for (; precision <= 17; ++precision) {
@@ -83,7 +83,7 @@ std::string python_float_repr(double x) {
     if (s[i] != '.') digits += s[i];
   while (digits.size() > 1 && digits.back() == '0') digits.pop_back();
   std::string out;
-  if (exponent >= -5 && exponent < 16) {
+  if (exponent >= -4 && exponent < 16) {
     if (exponent < 0) {
       out = "0." + std::string(-exponent - 1, '0') + digits;
     } else if (static_cast<int>(digits.size()) <= exponent + 1) {
