@@ -346,14 +346,20 @@ class Engine:
                 if remaining > 0:
                     self._wake.wait(remaining)
         except BaseException as exc:  # noqa: BLE001 - every pending op must learn about it
-            log.exception("aiak_training background thread failed")
-            reason = f"The background thread failed: {type(exc).__name__}: {exc}"
-            if self.watchdog is not None:
-                # An MPI error usually means a peer vanished: name the ones that are gone.
-                reason += self.watchdog.lost_peers_note()
-            self._fatal = reason
+            reason = self._failed(exc)
         finally:
             self._stop(reason)
+
+    def _failed(self, exc: BaseException) -> str:
+        """Log an exception of the engine's thread; return (and keep) the failure reason
+        every pending and later operation reports."""
+        log.exception("aiak_training background thread failed")
+        reason = f"The background thread failed: {type(exc).__name__}: {exc}"
+        if self.watchdog is not None:
+            # An MPI error usually means a peer vanished: name the ones that are gone.
+            reason += self.watchdog.lost_peers_note()
+        self._fatal = reason
+        return reason
 
     def _cycle(self) -> Tuple[bool, str]:
         for set_id in sorted(self._sets):

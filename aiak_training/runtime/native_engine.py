@@ -329,9 +329,4 @@ class NativeEngine(Engine):
                 return payload + (self.watchdog.lost_peers_note() if self.watchdog else "")
             return None
         except BaseException as exc:  # noqa: BLE001 - every pending op must learn about it
-            log.exception("aiak_training background thread failed")
-            reason = f"The background thread failed: {type(exc).__name__}: {exc}"
-            if self.watchdog is not None:
-                reason += self.watchdog.lost_peers_note()
-            self._fatal = reason
-            return reason
+            return self._failed(exc)
