@@ -37,8 +37,9 @@ ALLOWED_MODULE = os.path.join("aiak_training", "common", "horovod_strings.py")
 _TRIVIAL = re.compile(r"^(?:[\s\)\]\}\(\[\{,:;]*|(?:else|try|finally|pass|break|continue|return"
                       r"|\"\"\"|'''|#|//|\*/|/\*|\*|@staticmethod|@property)[:;]?)$")
 _WORD = re.compile(r"[a-z0-9_]+")
-# Import statements name modules, which any two programs using them share: facts, not text.
-_IMPORT = re.compile(r"^(?:import [\w., ]+|from [\w.]+ import [\w., ()]+)$")
+# Import statements and C/C++ includes name modules and headers, which any two programs using
+# them share: facts, not text.
+_IMPORT = re.compile(r"^(?:import [\w., ]+|from [\w.]+ import [\w., ()]+|#include [<\"][\w./]+[>\"])$")
 
 
 def _source_files(root: str, subdirs: Iterable[str] = ("",)) -> Iterable[str]:
