@@ -178,8 +178,6 @@ class NativeEngine(Engine):
 
     # ---- submission and completion -------------------------------------------------------
     def enqueue(self, set_id: int, requests: List[Request], entries: List[TensorEntry]) -> List[int]:
-        if self._fatal is not None:
-            raise HorovodInternalError(self._fatal)
         state = self._sets.get(set_id)
         flat = set_id in self._flat_sets
         tuples, lane_names = [], []
@@ -240,37 +238,35 @@ class NativeEngine(Engine):
             raise unknown_handle(handle)
         return state == 1
 
-    def wait(self, handle: int) -> Handle:
-        status, error, result, event = self.core.wait(handle)
-        if status:
-            self.wait_failed(handle, status, error)
+    def _wait(self, handle: int):
+        """(result, completion event) of ``handle``, once it completed; then forgotten."""
+        try:
+            result, event = self.core.wait(handle)
+        except IndexError:
+            self._forget(handle)
+            raise unknown_handle(handle) from None
+        except native.EngineStopped as exc:
+            self._forget(handle)
+            raise HorovodInternalError(str(exc)) from None
         self._keep.pop(handle, None)
-        lane_result = self.results.pop(handle, None)
+        if self.results:  # only lane-executed ops leave a Python result here
+            lane_result = self.results.pop(handle, None)
+            if lane_result is not None:
+                result = lane_result
+        return result, event
+
+    def _forget(self, handle: int) -> None:
+        self._keep.pop(handle, None)
+        self.results.pop(handle, None)
+
+    def wait(self, handle: int) -> Handle:
         h = Handle()
-        h.done, h.event = True, event
-        h.result = lane_result if lane_result is not None else result
+        h.result, h.event = self._wait(handle)
+        h.done = True
         return h
 
     def wait_result(self, handle: int):
-        try:
-            result = self.core.wait_result(handle)
-        except IndexError:
-            self.wait_failed(handle, 2, "")
-        except native.EngineStopped as exc:
-            self.wait_failed(handle, 1, str(exc))
-        self._keep.pop(handle, None)
-        if self.results:
-            lane_result = self.results.pop(handle, None)
-            if lane_result is not None:
-                return lane_result
-        return result
-
-    def wait_failed(self, handle: int, status: int, error: str) -> None:
-        self._keep.pop(handle, None)
-        self.results.pop(handle, None)
-        if status == 2:
-            raise unknown_handle(handle)
-        raise HorovodInternalError(error)
+        return self._wait(handle)[0]
 
     def wait_any(self, handles: Sequence[int], timeout: Optional[float] = None) -> List[int]:
         try:

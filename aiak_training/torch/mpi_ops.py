@@ -357,12 +357,8 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
     _check_tensor(tensor)
     src = tensor.contiguous()
     output = output_pool.empty_like(src)
-    names = _name("allreduce", name)
-    if src.is_cpu:  # the per-tensor hot path, without the grouped machinery
-        return _submit_host_allreduce(src, output, names, _check_op(op, src), prescale_factor,
-                                      postscale_factor, process_set, lambda _: output)
-    return _allreduce_async([src], [output], names, op, prescale_factor, postscale_factor,
-                            process_set, lambda _: output)
+    return _allreduce_async([src], [output], _name("allreduce", name), op, prescale_factor,
+                            postscale_factor, process_set, lambda _: output)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None,

@@ -139,14 +139,6 @@ EngineConfig make_config(const py::dict& d) {
   return c;
 }
 
-py::tuple wait_tuple(const WaitResult& w) {
-  // (status, error, result, event): status 0 done, 1 failed, 2 unknown handle.
-  int status = w.unknown ? 2 : (w.failed ? 1 : 0);
-  return py::make_tuple(status, w.error,
-                        w.has_result ? py::object(py::int_(w.result)) : py::object(py::none()),
-                        w.event);
-}
-
 void copy_error(const std::string& text, char* out, size_t len) {
   if (out == nullptr || len == 0) return;
   std::strncpy(out, text.c_str(), len - 1);
@@ -219,15 +211,21 @@ void register_engine(py::module_& m) {
              return e.enqueue(set_id, std::move(reqs), std::move(entries))[0];
            })
       .def("wait",
-           [](Engine& e, int64_t handle, bool forget) {
+           // Blocks (GIL released) until `handle` completes, forgets it, and returns
+           // (result or None, completion event).  IndexError for an unknown handle,
+           // EngineStopped (with the reason) for a failed one.
+           [](Engine& e, int64_t handle) -> py::tuple {
              WaitResult w;
              {
                py::gil_scoped_release release;
-               w = e.wait(handle, forget);
+               w = e.wait(handle, true);
              }
-             return wait_tuple(w);
+             if (w.unknown) throw std::out_of_range(std::to_string(handle));
+             if (w.failed) throw EngineStopped(w.error);
+             return py::make_tuple(
+                 w.has_result ? py::object(py::int_(w.result)) : py::object(py::none()), w.event);
            },
-           py::arg("handle"), py::arg("forget") = true)
+           py::arg("handle"))
       .def("poll",
            [](Engine& e, int64_t handle) {
              auto w = e.poll(handle);
@@ -239,20 +237,6 @@ void register_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(), py::arg("handle"),
            "The completion cudaEvent_t of a done GPU handle (0 otherwise).")
       .def("handle_of", &Engine::handle_of, py::call_guard<py::gil_scoped_release>())
-      .def("wait_result",
-           // wait() for the hot path: the result (or None), no status tuple to build.
-           // Raises IndexError for an unknown handle, EngineStopped for a failed one.
-           [](Engine& e, int64_t handle) -> py::object {
-             WaitResult w;
-             {
-               py::gil_scoped_release release;
-               w = e.wait(handle, true);
-             }
-             if (w.unknown) throw std::out_of_range(std::to_string(handle));
-             if (w.failed) throw EngineStopped(w.error);
-             return w.has_result ? py::object(py::int_(w.result)) : py::object(py::none());
-           },
-           py::arg("handle"))
       .def("wait_any",
            [](Engine& e, const std::vector<int64_t>& handles, double timeout) {
              py::gil_scoped_release release;

@@ -71,8 +71,6 @@ class Controller {
   void record_executed(const ResponsePtr& resp, const std::optional<Signature>& sig);
   void mark_unjoined() { joined_ = false; }
   TableCounts counts() const;
-  int rank() const { return rank_; }
-  int size() const { return size_; }
 
  private:
   std::vector<uint64_t> bit_vector(uint64_t flags, const std::vector<int>& invalid_bits) const;

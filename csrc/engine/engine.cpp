@@ -72,16 +72,13 @@ void Engine::add_set(int set_id, MpiHandle comm, int rank, int size, bool flat) 
 
 bool Engine::remove_set(int set_id, const std::string& why) {
   std::shared_ptr<SetState> state;
+  std::vector<std::string> names;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sets_.find(set_id);
     if (it == sets_.end()) return false;
     state = it->second;
     sets_.erase(it);
-  }
-  std::vector<std::string> names;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
     for (const auto& kv : state->entries) names.push_back(kv.first);
   }
   fail_names(*state, names, why);
