@@ -172,6 +172,21 @@ def test_sgd_matches_torch(momentum, dampening, nesterov, maximize, weight_decay
             assert torch.equal(p, r)
 
 
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch_ops"])
+def test_fused_sgd_without_momentum_takes_no_first_step_flags(use_kernels):
+    """FusedSGD passes no buffers and no first-step flags when momentum is 0; every path
+    (the CPU kernel, the per-tensor fallback and, on a GPU, the CUDA launch) must accept that."""
+    torch.manual_seed(3)
+    params = [torch.randn(n, dtype=torch.float64) for n in (5, 17)]
+    grads = [torch.randn_like(p) for p in params]
+    expected = [p - 0.1 * g for p, g in zip(params, grads)]
+    fo.fused_sgd(params, grads, [], None, [], weight_decay=0.0, momentum=0.0, lr=0.1,
+                 dampening=0.0, nesterov=False, maximize=False, use_kernels=use_kernels)
+    for p, e in zip(params, expected):
+        # One rounding step apart at most (the kernel may fuse the multiply-add).
+        torch.testing.assert_close(p, e, rtol=0, atol=1e-15)
+
+
 # ----------------------------------------------------------------------------------- LAMB
 def lamb_reference(params, grad_steps, *, lr, betas, eps, weight_decay, bias_correction,
                    grad_averaging, adam_w_mode, use_nvlamb, max_grad_norm, round_to=None):

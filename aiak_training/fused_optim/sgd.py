@@ -102,7 +102,10 @@ def fused_sgd(
     master_params = master_params if master_params is not None else [None] * n
     first_step = first_step if first_step is not None else [False] * n
     if momentum == 0:
+        # Without momentum there are no buffers, so callers may pass no first-step flags
+        # either; every path below indexes both lists per tensor.
         momentum_buffers = [None] * n
+        first_step = [False] * n
     device = params[0].device
 
     def tensors_of(i: int) -> List[Tensor]:
