@@ -159,6 +159,9 @@ ext_modules = [_extension("aiak_training._native", "csrc/native/*.cpp", "csrc/en
 if _sources("csrc/fused_optim/*.cpp"):
     ext_modules.append(_extension("aiak_training.fused_optim._cpu", "csrc/fused_optim/*.cpp"))
 if _sources("csrc/dgc/*.cpp"): ext_modules.append(_extension("aiak_training.dgc._dgc_cpu", "csrc/dgc/*.cpp"))
+# Adasum (aiak_training/allreduce/adasum.py): dot products and scaled adds, one ISA per file.
+if _sources("csrc/adasum/*.cpp"):
+    ext_modules.append(_extension("aiak_training.allreduce._adasum_cpu", "csrc/adasum/*.cpp"))
 
 setup(
     name="aiak-training",
@@ -166,7 +169,8 @@ setup(
     description="Horovod-compatible distributed training for PyTorch and TensorFlow, "
                 "with hierarchical allreduce, DGC, overlapped updates and fused optimizers",
     packages=find_packages(include=["aiak_training", "aiak_training.*"]),
-    package_data={"aiak_training": ["compat/horovod_shim/**/*.py", "lib/*.so"]},
+    package_data={"aiak_training": ["compat/horovod_shim/**/*.py", "lib/*.so",
+                                    "tensorflow/_status_op.cc"]},
     license="Apache-2.0",
     license_files=["LICENSE"],
     python_requires=">=3.9",
@@ -176,8 +180,19 @@ setup(
     extras_require={
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu==2.21.0", "keras"],
+        # Keras 2 for TF_USE_LEGACY_KERAS=1 (aiak_training.keras.legacy).  tf-keras requires
+        # the "tensorflow" distribution; next to tensorflow-cpu install it with --no-deps.
+        "tf_keras": ["tf-keras==2.21.0"],
         "test": ["pytest>=7", "scikit-learn>=1.0"],
         "examples": ["scikit-learn>=1.0"],
+        # aiak_training.ray / aiak_training.spark (their workers talk over the Gloo mode).
+        # torch is not listed: install the CPU (or CUDA) wheel you want first.
+        "ray": ["ray==2.60.0"],
+        "spark": ["pyspark==4.3.0"],
+        # The documentation site (mkdocs.yml; tests/test_docs.py builds it with --strict) and
+        # benchmarks/plots.py, which draws the results pages' PNGs from the JSON.
+        "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings[python]==1.0.8",
+                 "mkdocstrings-python==2.0.11", "griffelib==2.4.1", "matplotlib>=3.7"],
     },
     entry_points={
         "console_scripts": ["aiakrun = aiak_training.runner.launch:main"],

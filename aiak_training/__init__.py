@@ -23,4 +23,20 @@ def _request_mpi_thread_level() -> None:
     mpi4py.rc.thread_level = "serialized"
 
 
+def _defer_mpi_init_for_gloo() -> None:
+    """A Gloo job (``aiakrun --gloo``, ``HOROVOD_CONTROLLER=gloo``) runs without MPI: keep
+    mpi4py from initializing MPI when a module of this package imports ``mpi4py.MPI`` (its
+    buffers and constants still serve as the engine's vocabulary)."""
+    import os
+    import sys
+    controller = os.environ.get("HOROVOD_CONTROLLER", "").strip().lower()
+    if "mpi4py.MPI" in sys.modules or controller == "mpi":
+        return
+    if controller == "gloo" or os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "").strip():
+        import mpi4py
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+
+
 _request_mpi_thread_level()
+_defer_mpi_init_for_gloo()

@@ -59,8 +59,11 @@ A B C A B C after warm-up, on an emulated cluster, e.g.::
 
     python -m aiak_training.testing.cluster --nodes 2 --ranks-per-node 2 --rate 1gbit -- \
         sh -c 'mpiexec -n 4 python benchmarks/allreduce_bench.py \
-               --algos flat,hier_staged,hier_pipelined --json hier_1gbit.json \
-               --plot benchmarks/hier_plot_1gbit.png'
+               --algos flat,hier_staged,hier_pipelined \
+               --json benchmarks/results/hier_2x2_1gbit_<date>.json'
+
+(benchmarks/plots.py draws the results pages' plot from that JSON; --plot PNG draws one
+directly.)
 
 Ratios of this mode (above 1 means hier_pipelined is faster); SUFFIX is --ratio-suffix, by default
 "" on a 1 Gbit/s cluster and "_<N>gbit" on others (from AIAK_CLUSTER_NOMINAL_GBIT):
@@ -471,7 +474,14 @@ def run_algorithms(args) -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     topo = build_topology(comm)
-    names = [a.strip() for a in args.algos.split(",") if a.strip()]
+    from aiak_training.common.config import ALLREDUCE_ALGO_ALIASES
+    # Resolve the earlier spellings first: results, ratios and the plot are keyed by the
+    # canonical names, so "aiak-hier" must become "hier_pipelined" before anything is timed.
+    names = []
+    for a in args.algos.split(","):
+        n = ALLREDUCE_ALGO_ALIASES.get(a.strip(), a.strip())
+        if n and n not in names:
+            names.append(n)
     sizes = [_parse_size(x) for x in args.sizes.split(",") if x.strip()]
     algos = {n: create_algorithm(n, topo) for n in names}
     # Zeros stay zeros under repeated in-place sums (no overflow, no denormals); fill() touches

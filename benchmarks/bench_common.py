@@ -1,6 +1,6 @@
 """Shared pieces of the benchmarks: machine header, interleaved timing, JSON output.
 
-Conventions: ../shared/BENCHMARKS.md.  A and B are timed in the same launch, alternating,
+Conventions: docs/benchmarks/index.md.  A and B are timed in the same launch, alternating,
 after warm-up; the median of the timed repetitions is reported.
 """
 import json

@@ -1,6 +1,6 @@
 """Deep gradient compression benchmark: wire bytes, threshold selection, step time, accuracy.
 
-Conventions: ../shared/BENCHMARKS.md (interleaved A B A B timing after warm-up, medians,
+Conventions: docs/benchmarks/index.md (interleaved A B A B timing after warm-up, medians,
 --json).  Modes (--modes, comma-separated; default wire,select):
 
   wire    ResNet-50-shaped gradient set (161 tensors, 25.6M elements), SGD momentum 0.9 and
@@ -43,7 +43,7 @@ Run::
     python -m aiak_training.testing.cluster --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
         mpiexec -n 4 python benchmarks/dgc_bench.py --modes step --layout 2x2 --json step.json
     mpiexec -n 4 python benchmarks/dgc_bench.py --modes plot \\
-        --plot benchmarks/dgc_digits_accuracy.png
+        --json benchmarks/results/dgc_digits_accuracy_<date>.json
 
 The plot mode trains the digits MLP of tests/parallel/test_dgc_convergence.py (dense and DGC,
 3 seeds, 4 ranks) and plots test accuracy against epoch; its curves go to --json as well.

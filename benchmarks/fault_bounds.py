@@ -13,6 +13,18 @@ returned, in seconds after the fault, plus aiakrun's exit status and report:
   ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5``); times count from when every rank started;
 * ``slow``: no fault, 5% packet loss and 64 MiB allreduces, which must complete (the
   watchdog must not take a slow collective for a hang).
+* ``stuck``: rank 1 sleeps 45 s after ``hvd.init()`` while the others allreduce and exit on
+  the ``HorovodInternalError`` of the stall shutdown (``--stall-check-warning-time-seconds 2
+  --stall-check-shutdown-time-seconds 5``); times count from when every rank started;
+* ``stuck_1node``: as ``stuck``, with all four ranks on node 0 (``-H <node 0>:4``).  Across
+  nodes, a waiting rank on the other node leaves ``MPI_Finalize`` quickly and its exit ends
+  the job; on one node every waiting rank would sit in ``MPI_Finalize`` until the stuck rank
+  wakes, unless ``AIAK_EXIT_TIMEOUT_SECONDS`` bounds it (run with it set to 0 to see that);
+* ``stuck_local``: as ``stuck``, with ``aiakrun -np 4`` on this machine outside the cluster
+  (MPICH's default transport), where a rank's ``MPI_Finalize`` waits for the stuck one;
+* ``launcher_kill``: ``aiakrun`` itself SIGKILLed while every rank trains.
+For these two the record holds ``last_process_gone_s``: when no process of the job was left
+in either node's namespace (target: under 15 s).
 
 The collective watchdog runs with its default timeout unless ``--timeout-s`` is given.
 
@@ -37,6 +49,7 @@ sys.path.insert(0, REPO)
 from aiak_training.testing.cluster import EmulatedCluster, leftovers  # noqa: E402
 
 STREAM = os.path.join(REPO, "tests", "scripts", "fault_stream.py")
+LAUNCHER_FAULTS = os.path.join(REPO, "tests", "scripts", "launcher_faults.py")
 AIAKRUN = [sys.executable, "-m", "aiak_training.runner.launch", "-np", "4"]
 
 
@@ -115,6 +128,109 @@ def one_run(scenario: str, env: Dict[str, str], limit_s: float) -> Dict:
     }
 
 
+def _alive_in(namespaces: List[str]) -> List[int]:
+    return [p for ns in namespaces for p in _pids(ns) if not _gone(p)]
+
+
+def launcher_run(scenario: str, env: Dict[str, str], limit_s: float) -> Dict:
+    """``stuck``, ``stuck_1node`` or ``launcher_kill`` (see the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="aiak_faults_") as out, \
+            EmulatedCluster(2, 2, "1gbit", verify="off", log=None) as cluster:
+        stuck = scenario.startswith("stuck")
+        flags = (["--stall-check-warning-time-seconds", "2",
+                  "--stall-check-shutdown-time-seconds", "5"] if stuck else [])
+        if scenario == "stuck_1node":
+            flags += ["-H", f"{cluster.hosts[0]}:4"]
+        mode = "stuck" if stuck else "train"
+        result: Dict = {}
+
+        def run() -> None:
+            result["proc"] = cluster.run(AIAKRUN + flags + [sys.executable, LAUNCHER_FAULTS,
+                                                            mode, out],
+                                         env=env, timeout=limit_s, reap=False,
+                                         capture_output=True, text=True)
+            result["ended"] = time.monotonic()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        while thread.is_alive() and not all(
+                os.path.exists(os.path.join(out, f"ready.{r}")) for r in range(4)):
+            time.sleep(0.05)
+        start = time.monotonic()
+        if scenario == "launcher_kill":
+            time.sleep(1.0)  # a few training steps
+            (aiakrun,) = [p for p in _pids(cluster.namespaces[0]) if b"runner.launch" in
+                          open(f"/proc/{p}/cmdline", "rb").read()]
+            start = time.monotonic()
+            os.kill(aiakrun, signal.SIGKILL)
+        gone = None
+        while time.monotonic() - start < limit_s:
+            if not _alive_in(cluster.namespaces):
+                gone = round(time.monotonic() - start, 2)
+                break
+            time.sleep(0.05)
+        thread.join(timeout=limit_s + 30)
+        proc = result.get("proc")
+        output = (proc.stdout + proc.stderr) if proc is not None else ""
+        prefix = cluster.prefix
+        left = _alive_in(cluster.namespaces)
+    return {
+        "scenario": scenario,
+        "last_process_gone_s": gone,
+        "aiakrun_exit_s": round(result["ended"] - start, 2) if "ended" in result else None,
+        "aiakrun_status": proc.returncode if proc is not None else None,
+        "report": [ln for ln in output.splitlines() if ln.startswith("aiakrun: ")],
+        "banner_shown": "BAD TERMINATION" in output,
+        "processes_left": left,
+        "cluster_left": leftovers(prefix) if prefix else [],
+    }
+
+
+def local_stuck_run(env: Dict[str, str], limit_s: float) -> Dict:
+    """``stuck_local``: the stuck-rank job on this machine, no cluster."""
+    import uuid
+    marker = f"aiak_bench_{uuid.uuid4().hex}"
+
+    def job_pids() -> List[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if marker.encode() in f.read() and not _gone(int(pid)):
+                        found.append(int(pid))
+            except OSError:
+                pass
+        return found
+
+    with tempfile.TemporaryDirectory(prefix="aiak_faults_") as out:
+        proc = subprocess.Popen(AIAKRUN + ["--stall-check-warning-time-seconds", "2",
+                                           "--stall-check-shutdown-time-seconds", "5",
+                                           sys.executable, LAUNCHER_FAULTS, "stuck", out,
+                                           marker],
+                                env=dict(os.environ, **env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        while proc.poll() is None and not all(
+                os.path.exists(os.path.join(out, f"ready.{r}")) for r in range(4)):
+            time.sleep(0.05)
+        start = time.monotonic()
+        ended = gone = None
+        while time.monotonic() - start < limit_s:
+            if ended is None and proc.poll() is not None:
+                ended = round(time.monotonic() - start, 2)
+            if ended is not None and not job_pids():
+                gone = round(time.monotonic() - start, 2)
+                break
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0]
+    return {"scenario": "stuck_local", "last_process_gone_s": gone, "aiakrun_exit_s": ended,
+            "aiakrun_status": proc.returncode,
+            "report": [ln for ln in output.splitlines() if ln.startswith("aiakrun: ")],
+            "finalize_bounded": "MPI_Finalize did not return" in output,
+            "banner_shown": "BAD TERMINATION" in output, "processes_left": job_pids()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
@@ -129,14 +245,21 @@ def main() -> None:
     runs = []
     for scenario in args.scenarios.split(","):
         for i in range(args.runs):
-            record = one_run(scenario, env, limit_s=300)
+            if scenario == "stuck_local":
+                record = local_stuck_run(env, limit_s=120)
+            elif scenario in ("stuck", "stuck_1node", "launcher_kill"):
+                record = launcher_run(scenario, env, limit_s=120)
+            else:
+                record = one_run(scenario, env, limit_s=300)
             record["run"] = i + 1
             runs.append(record)
             print(json.dumps(record), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "timeout_s": args.timeout_s, "runs": runs}, f, indent=1)
+                       "timeout_s": args.timeout_s,
+                       "exit_timeout_s": os.environ.get("AIAK_EXIT_TIMEOUT_SECONDS"),
+                       "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":

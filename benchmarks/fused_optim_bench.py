@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Fused optimizer benchmark: aiak_training.fused_optim against torch.optim, one process.
 
-Follows shared/BENCHMARKS.md: every variant of a case is timed in the same run,
+Follows docs/benchmarks/index.md: every variant of a case is timed in the same run,
 interleaved (A B C ... A B C ...), after warm-up steps; the median of --reps repetitions is
 reported, with a table on stdout headed by the machine and, with --json PATH, the same figures
 as JSON.

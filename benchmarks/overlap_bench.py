@@ -1,4 +1,4 @@
-"""Overlapped parameter update (issue 6): DistributedOptimizer step time, synchronous vs overlapped.
+"""Overlapped parameter update: DistributedOptimizer step time, synchronous vs overlapped.
 
 One training iteration (zero_grad, forward, backward, step) of an MLP with about 25M fp32
 parameters in 168 tensors (42 blocks of Linear(768, 768) + LayerNorm), with torch.optim.Adam,
@@ -101,6 +101,12 @@ def run_rank(args) -> None:
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    # Read what the report needs from the engine now: once the last collective is done, a peer
+    # that reaches hvd.shutdown() first shuts this rank's engine down too, and
+    # current.engine() then raises "Horovod has not been initialized".
+    engine = current.engine()
+    topo = engine.topology
+    fusion_threshold = engine.config.fusion_threshold
     g = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randn(args.batch, args.width, generator=g)
@@ -164,7 +170,6 @@ def run_rank(args) -> None:
         suffix = f"_{nominal or '1'}gbit"
     else:
         suffix = "_local"
-    topo = current.engine().topology
     layout = (f"{topo.num_nodes}x{topo.node_sizes[0]}" if topo.is_homogeneous
               else "+".join(str(n) for n in topo.node_sizes))
     link = link_gbit()
@@ -174,7 +179,7 @@ def run_rank(args) -> None:
         ntensors = len(opts["sync"].param_groups[0]["params"])
         common = {"params": nparams, "tensors": ntensors, "optimizer": args.optimizer,
                   "batch_per_rank": args.batch,
-                  "fusion_threshold_bytes": current.engine().config.fusion_threshold}
+                  "fusion_threshold_bytes": fusion_threshold}
         results = [
             summarize("iteration sync (overlap_update=False)", dict(common), times["sync"]),
             summarize("iteration overlap (overlap_update=True)", dict(common), times["overlap"]),

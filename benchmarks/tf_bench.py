@@ -3,7 +3,7 @@ tf.distribute.MultiWorkerMirroredStrategy (MWMS), at 2 ranks on one machine, CPU
 
 The driver is rank-less and launches every job itself::
 
-    OMP_NUM_THREADS=1 python benchmarks/tf_bench.py --launch all --json benchmarks/tf_bench_2ranks.json
+    OMP_NUM_THREADS=1 python benchmarks/tf_bench.py --launch all --json benchmarks/results/tf_2ranks_<date>.json
 
 ``--launch allreduce`` or ``--launch fit`` runs one part only.
 
@@ -120,6 +120,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=41,
                    help="part 2: steps of the timed epoch (steps - 1 intervals are timed)")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per launch")
+    p.add_argument("--keras", choices=("3", "tf_keras"), default="3",
+                   help="part 2: train with Keras 3, or with Keras 2 from tf_keras "
+                        "(TF_USE_LEGACY_KERAS=1 in every job; same ratio keys)")
     # Internal: what a launched process does.
     p.add_argument("--worker", choices=("allreduce", "hvd_fit", "mwms_fit", "single_fit"),
                    help=argparse.SUPPRESS)
@@ -129,7 +132,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--ports", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is None and (args.reps < 5 or args.launches < 5):
-        p.error("--reps and --launches must be at least 5 (see ../shared/BENCHMARKS.md)")
+        p.error("--reps and --launches must be at least 5 (see docs/benchmarks/index.md)")
     if args.global_batch % 2:
         p.error("--global-batch must be even (2 ranks)")
     return args
@@ -145,9 +148,23 @@ def _configure_tf() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(2)
 
 
-def _build_model(kind: str, base: Optional[type] = None):
+def _keras():
+    """The Keras the jobs train with: Keras 3, or Keras 2 from tf_keras with --keras tf_keras
+    (the driver then sets TF_USE_LEGACY_KERAS=1 for every job)."""
+    if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
+        import tf_keras
+        return tf_keras
     import keras
-    from keras import layers
+    return keras
+
+
+def _legacy_keras() -> bool:
+    return os.environ.get("TF_USE_LEGACY_KERAS") == "1"
+
+
+def _build_model(kind: str, base: Optional[type] = None):
+    keras = _keras()
+    layers = keras.layers
     base = base or keras.Model
     if kind == "mlp":
         inp = keras.Input(IMAGE_SHAPE)
@@ -191,7 +208,7 @@ def _data(batch: int, seed: int):
 
 
 def _compile(model, optimizer) -> None:
-    import keras
+    keras = _keras()
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   jit_compile=False)
@@ -201,7 +218,7 @@ def _step_timer():
     """A callback that keeps the intervals between consecutive batch ends (so each interval
     holds everything a step costs: input, train function, callbacks), in wall time and in
     this process's CPU time (all its threads: compute, collectives, MPI polling)."""
-    import keras
+    keras = _keras()
 
     class StepTimer(keras.callbacks.Callback):
         def __init__(self) -> None:
@@ -244,7 +261,7 @@ def _timed_fit(model, ds, args: argparse.Namespace, callbacks: List[Any]):
 
 def worker_single_fit(args: argparse.Namespace) -> None:
     _configure_tf()
-    import keras
+    keras = _keras()
     batch = args.global_batch // 2
     model = _build_model(args.model)
     _compile(model, keras.optimizers.SGD(0.01, momentum=0.9))
@@ -255,7 +272,8 @@ def worker_single_fit(args: argparse.Namespace) -> None:
 
 def worker_hvd_fit(args: argparse.Namespace) -> None:
     _configure_tf()
-    import keras
+    import tensorflow as tf
+    keras = _keras()
     import aiak_training.keras as hvd
     hvd.init()
     batch = args.global_batch // hvd.size()
@@ -265,8 +283,9 @@ def worker_hvd_fit(args: argparse.Namespace) -> None:
     timer = _timed_fit(model, ds, args, [hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     # The ranks must agree after training: a cheap check that the gradients were combined.
     first = model.trainable_variables[0]
-    gathered = hvd.allgather(keras.ops.reshape(first.value, (1, -1)), name="bench_check")
-    g = keras.ops.convert_to_numpy(gathered)
+    gathered = hvd.allgather(tf.reshape(tf.convert_to_tensor(first), (1, -1)),
+                             name="bench_check")
+    g = tf.convert_to_tensor(gathered).numpy()
     if not (g[0] == g[1:]).all():
         raise SystemExit("tf_bench: the ranks' weights differ after fit")
     # Every rank writes its own file: the driver adds up the ranks' CPU time.
@@ -280,8 +299,8 @@ def worker_mwms_fit(args: argparse.Namespace) -> None:
         "cluster": {"worker": [f"localhost:{p}" for p in ports]},
         "task": {"type": "worker", "index": args.task_index}})
     _configure_tf()
-    import keras
     import tensorflow as tf
+    keras = _keras()
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     ds, sample = _data(args.global_batch, seed=args.task_index)
     per_replica = args.global_batch // strategy.num_replicas_in_sync
@@ -303,7 +322,8 @@ def worker_mwms_fit(args: argparse.Namespace) -> None:
             return {k: tf.reshape(v, [1]) for k, v in logs.items()}
 
     with strategy.scope():
-        model = _build_model(args.model, MWMSModel)
+        # Keras 2 (tf_keras) supports MWMS as it is; the workarounds are Keras 3's.
+        model = _build_model(args.model, None if _legacy_keras() else MWMSModel)
         _compile(model, keras.optimizers.SGD(0.01, momentum=0.9))
     timer = _timed_fit(model, ds, args, [])
     _write(f"{args.out}.{args.task_index}", _fit_payload(model, timer, per_replica,
@@ -573,7 +593,8 @@ def driver(args: argparse.Namespace) -> None:
             ratios.update(q)
     machine = machine_info(2, "1x2")
     machine["tensorflow"] = _version("tensorflow-cpu", "tensorflow")
-    machine["keras"] = _version("keras")
+    machine["keras"] = (f"tf_keras {_version('tf-keras', 'tf_keras')} (TF_USE_LEGACY_KERAS=1)"
+                        if args.keras == "tf_keras" else _version("keras"))
     machine["omp_num_threads"] = _env()["OMP_NUM_THREADS"]
     machine["load_avg_1m"] = f"{min(loads):.2f}-{max(loads):.2f}"
     # Engine settings that reach the ranks through the environment (e.g. HOROVOD_CYCLE_TIME).
@@ -584,6 +605,8 @@ def driver(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.keras == "tf_keras":
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"  # every job inherits it (_env copies it)
     workers = {"allreduce": worker_allreduce, "hvd_fit": worker_hvd_fit,
                "mwms_fit": worker_mwms_fit, "single_fit": worker_single_fit}
     if args.worker:

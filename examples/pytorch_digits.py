@@ -26,6 +26,9 @@ def parse_args():
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--fp16-allreduce", action="store_true", help="fp16 compression")
+    p.add_argument("--use-adasum", action="store_true",
+                   help="combine the ranks' updates with Adasum instead of averaging (the "
+                        "learning rate is then not scaled by the number of ranks)")
     p.add_argument("--cuda", action="store_true",
                    help="train on GPUs, one per rank (torch.cuda.set_device(hvd.local_rank()))")
     return p.parse_args()
@@ -54,14 +57,17 @@ def main():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
                                 torch.nn.Linear(128, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 10)).to(device)
-    # Scale the learning rate by the number of ranks, as Horovod recommends.
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
+    # Scale the learning rate by the number of ranks, as Horovod recommends (not with
+    # Adasum, which adds orthogonal updates and averages parallel ones by itself).
+    lr_scaler = 1 if args.use_adasum else hvd.size()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler,
                                 momentum=args.momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
+                                         compression=compression,
+                                         op=hvd.Adasum if args.use_adasum else hvd.Average)
 
     if hvd.rank() == 0:
         print(f"training on {hvd.size()} rank(s), {len(x_train)} samples per rank, "

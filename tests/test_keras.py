@@ -1,5 +1,6 @@
 """The Keras 3 frontends (aiak_training.keras, aiak_training.tensorflow.keras): the per-rank
-suite at 2 ranks on the TensorFlow and on the torch backend, and the two digits examples.
+suite at 2 ranks on the TensorFlow and on the torch backend, and the two digits examples;
+and Keras 2 (tf_keras with TF_USE_LEGACY_KERAS=1): its per-rank suite at 2 ranks.
 
 Keras and its backends are optional: without them these tests are skipped.  Importing
 TensorFlow costs seconds per process, so each launch runs a whole suite once.
@@ -40,6 +41,18 @@ def test_keras_per_rank_suite(backend, tmp_path):
     proc = run_ranks([2], PER_RANK, env={**env, "AIAK_TEST_TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-6000:]
     check_rank_summaries(proc.stdout, 2)
+
+
+def test_keras2_tf_keras_per_rank_suite(tmp_path):
+    """The Keras 2 suite (tests/parallel/test_keras2.py): TF_USE_LEGACY_KERAS=1 makes
+    tf.keras resolve to tf_keras, and aiak_training's Keras frontends serve Keras 2."""
+    _needs("tensorflow")
+    _needs("tf_keras")
+    proc = run_ranks([2], PER_RANK[:-1] + ["tests/parallel/test_keras2.py"],
+                     env={**BACKENDS["tensorflow"][1], "TF_USE_LEGACY_KERAS": "1",
+                          "AIAK_TEST_TMPDIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    assert check_rank_summaries(proc.stdout, 2) >= 8
 
 
 def _accuracy(stdout: str) -> float:

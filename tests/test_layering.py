@@ -24,11 +24,13 @@ ALLOWED: Dict[str, Set[str]] = {
     "allreduce": {"common"},
     "runtime": {"common", "allreduce"},
     "fused_optim": {"common"},
-    "torch": {"common", "runtime", "fused_optim"},
-    "tensorflow": {"common", "runtime"},
+    # Elastic training's framework-independent core (state, run loop, worker side).
+    "elastic": {"common", "runtime"},
+    "torch": {"common", "runtime", "fused_optim", "elastic"},
+    "tensorflow": {"common", "runtime", "elastic"},
     "dgc": {"common", "runtime", "torch"},
     # Keras 3 on either backend: an adapter over each framework's frontend.
-    "keras": {"common", "runtime", "tensorflow", "torch"},
+    "keras": {"common", "runtime", "tensorflow", "torch", "elastic"},
     # horovod.tensorflow.keras's name for aiak_training.keras: a facade above both.
     "tensorflow.keras": {"keras"},
 }

@@ -191,13 +191,15 @@ def test_output_filename_writes_per_rank_files(tmp_path):
      "aiakrun: error: invalid host entry 'b' in 'a:2,b': expected host:slots"),
     (["-np", "3", "-H", "localhost:2", "true"],
      "aiakrun: error: -np 3 needs more slots than the 2 given by the host list localhost:2"),
-    (["-np", "2", "--gloo", "true"],
-     "aiakrun: error: --gloo: aiak-training supports only the MPI controller"),
+    (["-np", "3", "--gloo", "-H", "localhost:2", "true"],  # the Gloo mode places ranks alike
+     "aiakrun: error: -np 3 needs more slots than the 2 given by the host list localhost:2"),
     (["true"], "aiakrun: error: -np/--num-proc is required"),
     (["-np", "1", "--hostfile", "/nonexistent/aiak-hosts", "true"],
      "aiakrun: error: [Errno 2] No such file or directory: '/nonexistent/aiak-hosts'"),
-    (["-np", "1", "--min-np", "1", "true"],
-     "aiakrun: error: --min-np: elastic training is not supported by aiak-training"),
+    (["-np", "1", "--min-np", "2", "true"],
+     "aiakrun: error: -np 1 is smaller than --min-np 2"),
+    (["-np", "1", "--host-discovery-script", "/nonexistent/discover.sh", "true"],
+     "aiakrun: error: host discovery script /nonexistent/discover.sh does not exist"),
 ])
 def test_usage_errors(argv, message):
     proc = aiakrun(*argv)
@@ -216,9 +218,9 @@ def test_check_build_output():
     assert lines[1:17] == [
         "", "Available Frameworks:", f"    [{'X' if tf else ' '}] TensorFlow",
         "    [X] PyTorch", "    [ ] MXNet", "",
-        "Available Controllers:", "    [X] MPI", "    [ ] Gloo", "",
+        "Available Controllers:", "    [X] MPI", "    [X] Gloo", "",  # torch's Gloo
         "Available Tensor Operations:", f"    [{'X' if nccl else ' '}] NCCL",
-        "    [ ] DDL", "    [ ] CCL", "    [X] MPI", "    [ ] Gloo"]
+        "    [ ] DDL", "    [ ] CCL", "    [X] MPI", "    [X] Gloo"]
     details = dict(line.strip().split(":", 1) for line in lines[19:])
     assert details["MPI library"].strip().startswith(("MPICH", "Open MPI", "Intel"))
     assert set(details) == {"MPI library", "CUDA", "NCCL", "CUDA runtime", "GPU collectives",

@@ -38,7 +38,7 @@ from aiak_training.common.env import env_bytes, env_float, env_int
 from aiak_training.common.native import HierNode
 from aiak_training.common.topology import Topology
 
-# Defaults, measured on the emulated 2x2 cluster (benchmarks/RESULTS.md).
+# Defaults, measured on the emulated 2x2 cluster (docs/benchmarks/history.md).
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_SLOTS = 4
 DEFAULT_MIN_BYTES = 0
@@ -102,7 +102,7 @@ class PipelinedHierAllreduce:
 
     Construction is collective over ``topology.comm`` (the window is allocated on every node
     and the ranks agree that it worked); :meth:`close` is collective over each node.
-    Arguments left as None come from the environment (``AIAK_HIER_*``, see README.md).
+    Arguments left as None come from the environment (``AIAK_HIER_*``, see docs/hierarchical-allreduce.md).
     """
 
     name = "hier_pipelined"

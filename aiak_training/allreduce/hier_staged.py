@@ -1,8 +1,8 @@
 """hier_staged: Horovod's hierarchical allreduce, re-implemented on our MPI transport.
 
 This is the baseline that hier_pipelined is measured against.  It follows
-``NCCLHierarchicalAllreduce::Execute`` (horovod/common/ops/nccl_operations.cc, see
-shared/reference/hier_allreduce.md section 1.2) step by step, with MPI collectives on the
+``NCCLHierarchicalAllreduce::Execute`` (horovod/common/ops/nccl_operations.cc in Horovod
+0.28.1) step by step, with MPI collectives on the
 node communicator in place of the NCCL ones:
 
 1. reduce-scatter of ``count // local_size`` elements per rank inside the node;

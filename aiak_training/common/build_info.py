@@ -101,8 +101,11 @@ def rocm_built() -> bool:
 
 
 def gloo_built() -> bool:
-    """Always False: aiak-training moves data over MPI only."""
-    return False
+    """True if torch is installed: the Gloo transport (``aiakrun --gloo``) runs on
+    ``torch.distributed``'s Gloo, which torch's Linux and macOS builds include.  Found
+    without importing torch."""
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
 
 
 def ddl_built() -> bool:

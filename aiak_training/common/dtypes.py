@@ -78,9 +78,20 @@ def mpi_datatype(dtype: DataType) -> "MPI.Datatype":
     }[dtype]
 
 
+class _HalfOp:
+    """Stands in for a half-type user op where MPI is not initialized (the Gloo transport
+    reduces half types itself; it only needs to know which type and op, see
+    :func:`user_op_key`)."""
+
+    def Free(self) -> None:
+        pass
+
+
 def _make_user_op(dtype: DataType, op: ReduceOp) -> "MPI.Op":
     from mpi4py import MPI
     from aiak_training.common import native
+    if not MPI.Is_initialized():
+        return _HalfOp()
 
     def reduce_fn(inbuf, inoutbuf, datatype):
         count = len(inbuf) // ITEMSIZE[dtype]
@@ -112,6 +123,14 @@ def mpi_op(dtype: DataType, op: ReduceOp) -> "MPI.Op":
             _user_ops[key] = _make_user_op(*key)
         return _user_ops[key]
     return ops[op]
+
+
+def user_op_key(op: object) -> Optional[tuple]:
+    """(DataType, ReduceOp) of an op made by :func:`mpi_op` for a half type, else None."""
+    for key, made in _user_ops.items():
+        if made is op:
+            return key
+    return None
 
 
 def free_user_ops() -> None:

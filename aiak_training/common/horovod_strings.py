@@ -48,6 +48,7 @@ OP_SUPERSEDES_AVERAGE = "The op parameter supersedes average. Please provide onl
 AVERAGE_DEPRECATED = ("Parameter `average` has been replaced with `op` and will be removed in "
                       "v1.0")
 ADASUM_PROCESS_SETS = "Adasum does not support non-global process sets yet."
+ADASUM_NON_POWER_OF_2 = "Running Adasum with non-power of 2 ranks is not supported yet."
 
 # ---- DistributedOptimizer and helpers (PyTorch) ------------------------------------------
 NAMED_PARAMETERS_NOT_TUPLES = ("named_parameters should be a sequence of tuples (name, "

@@ -1,7 +1,7 @@
 """Deep gradient compression (DGC, Lin et al., ICLR 2018) for ``hvd.DistributedOptimizer``.
 
 ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd.Compression.dgc(...))``
-turns it on; see README.md for the user guide and :class:`DGCCompressor` for the
+turns it on; see docs/dgc.md for the user guide and :class:`DGCCompressor` for the
 options.
 """
 from aiak_training.dgc._kernels import native_available, select_topk  # noqa: F401

@@ -6,6 +6,10 @@ TensorFlow or the torch backend (whichever this process's Keras runs on).
 process sets, ``Average``/``Sum``, ``Compression``; ``DistributedOptimizer`` (any Keras 3
 optimizer); ``allreduce``, ``allgather``, ``broadcast``, ``reducescatter`` of values;
 ``broadcast_global_variables``; ``load_model``; and the ``callbacks`` module.
+
+A process that trains with Keras 2 (``tf_keras`` with ``TF_USE_LEGACY_KERAS=1``, or
+``keras`` 2.x) gets the Keras 2 versions of the optimizers, callbacks, ``load_model`` and
+``broadcast_global_variables`` (``aiak_training.keras.legacy``) under the same names.
 """
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
 from aiak_training.keras import _backend
@@ -31,3 +35,17 @@ nccl_built, ddl_built, ccl_built = _ops.nccl_built, _ops.ddl_built, _ops.ccl_bui
 cuda_built, rocm_built = _ops.cuda_built, _ops.rocm_built
 Average, Sum, Adasum = _ops.Average, _ops.Sum, _ops.Adasum
 Compression = _ops.Compression
+
+from aiak_training.keras import _flavour  # noqa: E402
+if _flavour.legacy() is None:
+    from aiak_training.keras.partial import PartialDistributedOptimizer  # noqa: F401,E402
+else:
+    # Keras 2 (tf_keras): Horovod's Keras 2 optimizer, callbacks, loading and broadcast.
+    from aiak_training.keras.legacy import (DistributedOptimizer,  # noqa: F401,E402,F811
+                                            PartialDistributedOptimizer,
+                                            broadcast_global_variables, callbacks, load_model)
+if _backend.name() == "tensorflow":
+    # hvd.DistributedOptimizer of aiak_training.tensorflow hands Keras optimizers to this one.
+    from aiak_training.tensorflow import tf1 as _tf1  # noqa: E402
+    _tf1.register_keras_wrapper(DistributedOptimizer)
+from aiak_training.keras import elastic  # noqa: F401,E402 - hvd.elastic, as in Horovod

@@ -27,7 +27,7 @@ import keras
 
 from aiak_training.common import horovod_strings as hs
 from aiak_training.common.groups import fold_num_groups
-from aiak_training.keras import _backend
+from aiak_training.keras import _backend, _flavour
 from aiak_training.keras._accumulation import Accumulation
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 
@@ -221,6 +221,9 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
         raise ValueError(hs.PREDIVIDE_NEEDS_AVERAGE)
     if backward_passes_per_step <= 0:
         raise ValueError(hs.BACKWARD_PASSES_POSITIVE)
+    if not isinstance(optimizer, keras.optimizers.Optimizer) and \
+            _flavour.keras_of(optimizer) == "tf_keras":
+        raise _flavour.mixed_error("DistributedOptimizer", optimizer, keras)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer "
                          f"(keras.optimizers.Optimizer); got {type(optimizer).__name__}.")

@@ -5,11 +5,25 @@ import argparse
 from typing import List, Optional, Sequence, Tuple
 
 from aiak_training.common.config import ALLREDUCE_ALGO_ALIASES, ALLREDUCE_ALGOS, LOG_LEVELS
+from aiak_training.runner.flag_errors import FlagParser
 
-# Flags horovodrun has that only make sense with its elastic driver, Gloo or LSF; they are
-# parsed so that the error names the missing feature instead of argparse's "unrecognized".
+# horovodrun's elastic flags (runner/elastic/launch.py validates and runs them); giving
+# --host-discovery-script or --min-np turns elastic mode on.
 ELASTIC_FLAGS = ("--min-np", "--max-np", "--slots-per-host", "--elastic-timeout",
                  "--reset-limit", "--blacklist-cooldown-range", "--host-discovery-script")
+ELASTIC_HELP = {
+    "--min-np": "elastic: fewest ranks the job may run on (also --min-num-proc)",
+    "--max-np": "elastic: most ranks the job may grow to (also --max-num-proc)",
+    "--slots-per-host": "elastic: slots of a discovered host listed without ':slots' "
+                        "(default 1)",
+    "--elastic-timeout": "elastic: seconds to wait for --min-np slots before failing "
+                         "(HOROVOD_ELASTIC_TIMEOUT; default 600)",
+    "--reset-limit": "elastic: fail the job instead of resetting it more than this many times",
+    "--blacklist-cooldown-range": "elastic: MIN MAX seconds a host whose worker failed stays "
+                                  "blacklisted (default: for good)",
+    "--host-discovery-script": "elastic: executable printing the available hosts, one "
+                               "'hostname[:slots]' per line",
+}
 # horovodrun flags that only tune performance (autotune, NCCL streams, thread affinity, the
 # torus allreduce) or the look of the output: a job runs correctly without them, so they are
 # accepted, named in a warning, and ignored.  Flag (with aliases) -> whether it takes a value.
@@ -61,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False, unlike horovodrun: argparse matches prefixes in every argument,
     # the training command's own included, so a script flag such as --fus would be taken
     # (or rejected as ambiguous) by aiakrun.
-    p = argparse.ArgumentParser(
+    p = FlagParser(  # one-line errors with "did you mean" (runner/flag_errors.py)
         prog="aiakrun",
         description="Launch a distributed aiak-training (Horovod-compatible) job over MPI.",
         epilog="Example: aiakrun -np 4 -H server1:2,server2:2 python train.py",
@@ -165,15 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     ctl = p.add_argument_group("controller").add_mutually_exclusive_group()
     ctl.add_argument("--mpi", dest="use_mpi", action="store_true",
-                     help="use MPI (the default and only controller)")
-    ctl.add_argument("--gloo", dest="use_gloo", action="store_true", help=argparse.SUPPRESS)
+                     help="use MPI (the default controller)")
+    ctl.add_argument("--gloo", dest="use_gloo", action="store_true",
+                     help="run without MPI: ranks rendezvous through a store on this host and "
+                          "talk over Gloo (docs/gloo.md)")
     ctl.add_argument("--jsrun", dest="use_jsrun", action="store_true", help=argparse.SUPPRESS)
 
-    el = p.add_argument_group("elastic (not supported)")
+    el = p.add_argument_group("elastic (on Gloo; docs/elastic.md)")
     for flag in ELASTIC_FLAGS:
         el.add_argument(flag, dest="elastic_" + flag[2:].replace("-", "_"),
                         nargs=2 if flag == "--blacklist-cooldown-range" else None,
-                        help=argparse.SUPPRESS)
+                        help=ELASTIC_HELP[flag])
     el.add_argument("--min-num-proc", dest="elastic_min_np", help=argparse.SUPPRESS)
     el.add_argument("--max-num-proc", dest="elastic_max_np", help=argparse.SUPPRESS)
 
@@ -228,17 +244,11 @@ def network_interfaces(args: argparse.Namespace) -> List[str]:
 def unsupported_flags(args: argparse.Namespace) -> List[str]:
     """Human-readable reasons this command line cannot run (empty when it can)."""
     problems = []
-    if args.use_gloo:
-        problems.append("--gloo: aiak-training supports only the MPI controller; drop --gloo "
-                        "(MPI is the default)")
     if args.use_jsrun:
         problems.append("--jsrun: LSF/jsrun launching is not supported; use -H/--hostfile")
     if args.config_file:
         problems.append("--config-file: YAML config files are not supported; pass the "
                         "equivalent flags")
-    for flag in ELASTIC_FLAGS:
-        if getattr(args, "elastic_" + flag[2:].replace("-", "_"), None) is not None:
-            problems.append(f"{flag}: elastic training is not supported by aiak-training")
     return problems
 
 

@@ -27,6 +27,7 @@ from aiak_training.runner.hosts import (HostSlots, assign_slots, is_local_host, 
                                         parse_hosts, used_hosts)
 from aiak_training.runner.mpi_flavour import Flavour, MpiLauncher, MpiNotFoundError, detect_launcher
 from aiak_training.runner.mpi_run import LaunchSpec, build_mpi_command
+from aiak_training.runner.launch_guard import finish_result, start_guards
 from aiak_training.runner.supervise import report, run_job
 from aiak_training.runner.task_wrapper import OUTPUT_DIR_ENV
 
@@ -195,15 +196,23 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         print("aiakrun: error: no command given (e.g. aiakrun -np 2 python train.py)",
               file=sys.stderr)
         return 2
+    from aiak_training.runner.elastic.launch import elastic_requested, run_elastic
+    if elastic_requested(args):  # --host-discovery-script / --min-np (runner/elastic/)
+        return run_elastic(args, os.environ, sys.modules[__name__])
     if args.num_proc is None:
         print("aiakrun: error: -np/--num-proc is required", file=sys.stderr)
         return 2
 
+    if args.use_gloo:  # no MPI at all: aiakrun starts the ranks itself (runner/gloo_run.py)
+        from aiak_training.runner.gloo_run import run_gloo
+        return run_gloo(args, os.environ)
     run_dir = tempfile.mkdtemp(prefix="aiakrun.")
     try:
         try:
             launcher = detect_launcher(os.environ)
             spec, env = prepare(args, os.environ, launcher, run_dir)
+            # Liveness port and output reader (runner/launch_guard.py).
+            spec, liveness, output = start_guards(spec, env, verbose=bool(args.verbose))
             cmd = build_mpi_command(spec)
         except MpiNotFoundError as exc:
             print(f"aiakrun: error: {exc}", file=sys.stderr)
@@ -215,10 +224,13 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             print(f"aiakrun: {shlex.join(cmd)}", file=sys.stderr, flush=True)
         try:
             result = run_job(cmd, env, env[FAILURE_DIR_ENV],
-                             proxy_hosts=proxy_hosts(spec, launcher))
+                             proxy_hosts=proxy_hosts(spec, launcher), output=output)
         except OSError as exc:  # the launcher vanished between detection and start
             print(f"aiakrun: error: could not run {launcher.path}: {exc}", file=sys.stderr)
             return 1
+        finally:
+            liveness.close()
+        finish_result(result, output, spec, env[FAILURE_DIR_ENV])
         report(result, launcher.path)
         return result.exit_code
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import select
-from typing import IO, Optional
+from typing import IO, Callable, Optional
 
 IDLE_FLUSH_S = 0.2
 MAX_PENDING = 65536
@@ -50,10 +50,12 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _emit(data: bytes, dst_fd: int, log: Optional[IO[bytes]]) -> None:
+def _emit(data: bytes, dst_fd: int, log: Optional[IO[bytes]],
+          console_filter: Optional[Callable[[bytes], bytes]] = None) -> None:
     if not data:
         return
-    for target in ((lambda: write_all(dst_fd, data)),
+    shown = console_filter(data) if console_filter is not None else data
+    for target in ((lambda: write_all(dst_fd, shown)) if shown else None,
                    (lambda: log.write(data)) if log is not None else None):
         if target is None:
             continue
@@ -64,15 +66,20 @@ def _emit(data: bytes, dst_fd: int, log: Optional[IO[bytes]]) -> None:
 
 
 def pump_lines(src_fd: int, dst_fd: int, log: Optional[IO[bytes]] = None,
-               idle_flush_s: float = IDLE_FLUSH_S) -> None:
-    """Copy ``src_fd`` to ``dst_fd`` (and ``log``) in whole lines until EOF, then close it."""
+               idle_flush_s: float = IDLE_FLUSH_S, console_filter=None) -> None:
+    """Copy ``src_fd`` to ``dst_fd`` (and ``log``) in whole lines until EOF, then close it.
+
+    ``console_filter``: an object with ``feed(bytes) -> bytes`` and ``flush() -> bytes``
+    that edits what reaches ``dst_fd`` (the log keeps the raw bytes), e.g.
+    :class:`interrupt_filter.InterruptTracebackFilter`."""
     lines = LineAssembler()
+    edit = console_filter.feed if console_filter is not None else None
     try:
         while True:
             if lines.pending:
                 ready, _, _ = select.select([src_fd], [], [], idle_flush_s)
                 if not ready:
-                    _emit(lines.flush(), dst_fd, log)
+                    _emit(lines.flush(), dst_fd, log, edit)
                     continue
             try:
                 chunk = os.read(src_fd, 65536)
@@ -80,7 +87,9 @@ def pump_lines(src_fd: int, dst_fd: int, log: Optional[IO[bytes]] = None,
                 break
             if not chunk:
                 break
-            _emit(lines.feed(chunk), dst_fd, log)
-        _emit(lines.flush(), dst_fd, log)
+            _emit(lines.feed(chunk), dst_fd, log, edit)
+        _emit(lines.flush(), dst_fd, log, edit)
+        if console_filter is not None:
+            _emit(console_filter.flush(), dst_fd, None)
     finally:
         os.close(src_fd)

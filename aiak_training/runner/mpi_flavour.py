@@ -5,9 +5,10 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional
 
 
 class Flavour(str, Enum):
@@ -63,11 +64,26 @@ def parse_major_version(flavour: Flavour, version_text: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
-def find_launcher(env: Optional[Mapping[str, str]] = None) -> str:
+def interpreter_dirs(python: Optional[str] = None) -> List[str]:
+    """Where an MPI installed into this Python's environment puts its launcher: the
+    directory of the interpreter as called (a venv's ``bin``) and, if different, of the file
+    it resolves to."""
+    python = python or sys.executable
+    if not python:
+        return []
+    dirs = [os.path.dirname(os.path.abspath(python)),
+            os.path.dirname(os.path.realpath(python))]
+    return list(dict.fromkeys(d for d in dirs if d))
+
+
+def find_launcher(env: Optional[Mapping[str, str]] = None,
+                  python: Optional[str] = None) -> str:
     """Path of the MPI launcher.
 
     ``$AIAK_MPIRUN`` wins; inside an emulated cluster, ``$AIAK_CLUSTER_MPIEXEC`` (the hydra the
-    emulator was set up with); else ``mpirun``, then ``mpiexec`` on PATH.
+    emulator was set up with); else ``mpirun``, then ``mpiexec`` beside the Python interpreter
+    aiakrun runs under (``pip install mpich`` puts them there, and ``venv/bin/aiakrun`` may be
+    called without the venv on PATH), then on PATH.
     """
     env = os.environ if env is None else env
     override = env.get("AIAK_MPIRUN")
@@ -79,13 +95,20 @@ def find_launcher(env: Optional[Mapping[str, str]] = None) -> str:
             raise MpiNotFoundError(f"MPI launcher {override!r} (from AIAK_MPIRUN or "
                                    "AIAK_CLUSTER_MPIEXEC) is not an executable")
         return found
+    beside = interpreter_dirs(python)
+    for name in ("mpirun", "mpiexec"):
+        found = shutil.which(name, path=os.pathsep.join(beside)) if beside else None
+        if found:
+            return found
     for name in ("mpirun", "mpiexec"):
         found = shutil.which(name, path=env.get("PATH"))
         if found:
             return found
+    places = beside + [f"PATH={env.get('PATH', '')}"]
     raise MpiNotFoundError(
-        "aiakrun could not find mpirun or mpiexec on PATH. Install an MPI (for example "
-        "`pip install mpich`, or Open MPI / Intel MPI from your system) or set AIAK_MPIRUN.")
+        "aiakrun could not find mpirun or mpiexec; it looked in " + ", ".join(places) +
+        ". Install an MPI (for example `pip install mpich` into this Python's environment, or "
+        "Open MPI / Intel MPI from your system) or set AIAK_MPIRUN.")
 
 
 def detect_launcher(env: Optional[Mapping[str, str]] = None, timeout: float = 20.0) -> MpiLauncher:

@@ -27,6 +27,11 @@ def _prctl(option: int, arg: int) -> bool:
         return False
 
 
+def term_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when its parent dies, however it dies."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def set_child_subreaper() -> bool:
     """Become the parent of orphaned descendants, so none escapes when the launcher dies."""
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
@@ -93,6 +98,11 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] != b"Z"
+
+
+def is_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (nothing is reaped)."""
+    return _alive(pid)
 
 
 def reap(pids: Iterable[int]) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
 from aiak_training.runner import proc_tree
+from aiak_training.runner.blame import culprit_line, read_notes
 from aiak_training.runner.failure import (RankFailure, describe_returncode, has_failures,
                                           read_failures, shell_status)
 
@@ -71,6 +72,9 @@ class JobResult:
     failures: List[RankFailure] = field(default_factory=list)
     stop_signal: Optional[int] = None
     lost_hosts: List[LostHost] = field(default_factory=list)
+    # The rank that caused the failure when it is not the first to fail (runner/blame.py).
+    culprit: Optional[str] = None
+    hints: List[str] = field(default_factory=list)  # one-line advice printed after the summary
 
 
 class ProxyWatch:
@@ -202,8 +206,10 @@ class ProxyWatch:
 
 class _Supervisor:
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str], failure_dir: str,
-                 timeouts: Timeouts, proxy_hosts: Sequence[Tuple[str, Sequence[int]]] = ()):
+                 timeouts: Timeouts, proxy_hosts: Sequence[Tuple[str, Sequence[int]]] = (),
+                 output=None):
         self.cmd, self.env, self.failure_dir, self.t = list(cmd), dict(env), failure_dir, timeouts
+        self.output = output  # a launcher_output.LauncherOutput, or None to inherit stdio
         self.proxy_hosts = list(proxy_hosts)
         self.pending: List[int] = []
         self.stop_signal: Optional[int] = None
@@ -231,7 +237,15 @@ class _Supervisor:
         proc_tree.set_child_subreaper()
         old = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
-            proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
+            pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE} if self.output else {}
+            # The launcher gets SIGTERM when aiakrun dies (even by SIGKILL), so it tears the
+            # job down; the wrappers' liveness connections (runner/liveness.py) cover the rest.
+            proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True,
+                                    preexec_fn=proc_tree.term_with_parent, **pipes)
+            if self.output:
+                self.output.start(os.dup(proc.stdout.fileno()), os.dup(proc.stderr.fileno()))
+                proc.stdout.close()
+                proc.stderr.close()
             proxies = ProxyWatch(proc.pid, self.proxy_hosts)
             try:
                 returncode = self._watch(proc)
@@ -250,12 +264,17 @@ class _Supervisor:
             if failures or returncode != 0 or self.stop_signal is not None:
                 self._kill_everything()  # nothing of a failed job may outlive aiakrun
             proc_tree.reap(self._job_pids())
+            if self.output:
+                self.output.join(timeout=2.0)  # the summary comes after the job's output
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
+        culprit = None
+        if failures and self.stop_signal is None:
+            culprit = culprit_line(failures, read_notes(self.failure_dir))
         return JobResult(_exit_code(returncode, failures, self.stop_signal), returncode,
                          failures, self.stop_signal,
-                         lost if self.stop_signal is None else [])
+                         lost if self.stop_signal is None else [], culprit)
 
     def _watch(self, proc: subprocess.Popen) -> int:
         failure_seen = stop_at = terminated_at = None
@@ -308,18 +327,26 @@ def _exit_code(returncode: int, failures: Sequence[RankFailure], stop_signal: Op
 
 def run_job(cmd: Sequence[str], env: Mapping[str, str], failure_dir: str,
             timeouts: Optional[Timeouts] = None,
-            proxy_hosts: Sequence[Tuple[str, Sequence[int]]] = ()) -> JobResult:
+            proxy_hosts: Sequence[Tuple[str, Sequence[int]]] = (),
+            output=None) -> JobResult:
     """Run the launcher ``cmd`` to completion under supervision (see module docstring).
 
     ``proxy_hosts``: for MPICH's hydra, the hosts in launch order with their ranks, so that
     a host that vanished as a whole can be named (:class:`ProxyWatch`).
+    ``output``: a :class:`launcher_output.LauncherOutput` that reads the launcher's stdout
+    and stderr (termination banners filtered out); None lets the launcher write directly.
     """
-    return _Supervisor(cmd, env, failure_dir, timeouts or Timeouts(), proxy_hosts).run()
+    return _Supervisor(cmd, env, failure_dir, timeouts or Timeouts(), proxy_hosts,
+                       output).run()
 
 
 def report(result: JobResult, launcher: str, out: TextIO = sys.stderr) -> None:
     """One summary line per problem, so the cause is the last thing on the console."""
-    if result.failures:
+    if result.failures and result.culprit:
+        print(f"aiakrun: job failed: {result.culprit}; the other ranks were stopped", file=out)
+        for other in result.failures:
+            print(f"aiakrun: also: {other.describe()}", file=out)
+    elif result.failures:
         first = result.failures[0]
         print(f"aiakrun: job failed: {first.describe()}; the other ranks were stopped",
               file=out)
@@ -337,4 +364,6 @@ def report(result: JobResult, launcher: str, out: TextIO = sys.stderr) -> None:
     elif result.launcher_returncode != 0:
         print(f"aiakrun: {os.path.basename(launcher)} exited with "
               f"{describe_returncode(result.launcher_returncode)}", file=out)
+    for hint in result.hints:
+        print(hint, file=out)
     out.flush()

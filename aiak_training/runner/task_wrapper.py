@@ -14,6 +14,10 @@ MPI flavour:
   added by the MPI launcher are not scattered through unbuffered output;
 * ``--output-filename`` is implemented here (``$AIAK_OUTPUT_FILENAME/rank.<N>/{stdout,stderr}``,
   also still shown on the console);
+* it holds a connection to aiakrun (``$AIAK_LAUNCHER_LIVENESS``, :mod:`liveness`) and stops
+  the rank's whole process tree when aiakrun dies, however it dies;
+* after a forwarded Ctrl-C, tracebacks ending in ``KeyboardInterrupt`` are not shown
+  (:mod:`interrupt_filter`);
 * with Open MPI ``--virtual-hosts`` the rank's host identity arrives as a map
   (``$AIAK_VIRTUAL_HOST_MAP``, e.g. ``a:2,b:2``) and is set as ``HOROVOD_HOSTNAME`` here.
 
@@ -28,10 +32,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, List, Mapping, Optional, Sequence
 
+from aiak_training.runner import liveness, proc_tree
 from aiak_training.runner.failure import (FAILURE_DIR_ENV, RankFailure, now, shell_status,
                                           write_failure)
+from aiak_training.runner.interrupt_filter import InterruptTracebackFilter
 from aiak_training.runner.line_pump import pump_lines, write_all
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "HOROVOD_RANK")
@@ -92,12 +99,18 @@ class _Child:
 
     def __init__(self, argv: List[str], env: Mapping[str, str], output_dir: Optional[str]):
         self.stop_signal: Optional[int] = None
+        # After a forwarded Ctrl-C, Python's KeyboardInterrupt tracebacks are not shown.
+        self.stderr_filter = InterruptTracebackFilter()
         self._threads: List[threading.Thread] = []
         self._logs: List[IO[bytes]] = []
         parent = os.getpid()
         libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: the child only calls it
 
         def die_with_parent() -> None:
+            # A process group of its own: hydra signals the wrapper's whole group, and the
+            # wrapper forwards too, so the rank would get a Ctrl-C twice (a second
+            # KeyboardInterrupt in the middle of printing the first).
+            os.setpgid(0, 0)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             if os.getppid() != parent:  # the wrapper died before prctl took effect
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -122,19 +135,38 @@ class _Child:
                 self._logs.append(log)
             fd = os.dup(stream.fileno())
             stream.close()
-            t = threading.Thread(target=pump_lines, args=(fd, console, log), daemon=True)
+            t = threading.Thread(target=pump_lines, args=(fd, console, log), daemon=True,
+                                 kwargs={"console_filter": self.stderr_filter
+                                         if console == 2 else None})
             t.start()
             self._threads.append(t)
 
     def _forward(self, signum: int, _frame) -> None:
         if signum in STOP_SIGNALS and self.stop_signal is None:
             self.stop_signal = signum
+        if signum == signal.SIGINT:
+            self.stderr_filter.activate()
         proc = getattr(self, "proc", None)
         if proc is not None and proc.returncode is None:
             try:
                 proc.send_signal(signum)
             except ProcessLookupError:
                 pass
+
+    def stop_tree(self) -> None:
+        """aiakrun is gone: end the rank and everything it started (SIGTERM, then SIGKILL)."""
+        if self.stop_signal is None:
+            self.stop_signal = signal.SIGTERM  # not this rank's failure: no report
+        pids = [self.proc.pid] + proc_tree.descendants(self.proc.pid)
+        proc_tree.kill_all(pids, signal.SIGTERM)
+        deadline = time.monotonic() + liveness.KILL_GRACE_S
+        while time.monotonic() < deadline:
+            # Not reaped here: the main thread's wait() collects the rank's status.
+            pids = [p for p in pids if proc_tree.is_alive(p)]
+            if not pids:
+                return
+            time.sleep(0.05)
+        proc_tree.kill_all(pids + proc_tree.descendants(self.proc.pid), signal.SIGKILL)
 
     def wait(self) -> int:
         returncode = self.proc.wait()
@@ -167,6 +199,25 @@ def _die(returncode: int) -> None:
     os._exit(shell_status(returncode) or 1)  # only reached if the signal did not kill us
 
 
+def _connect_launcher(value: str, rank: Optional[int], host: str):
+    """The liveness connection to aiakrun (runner/liveness.py): a socket, None when there is
+    none to hold (not started by aiakrun, or unreachable), False when aiakrun is gone."""
+    if not value:
+        return None
+    who = f"rank {rank}" if rank is not None else "a rank"
+    try:
+        sock, why = liveness.connect(value, rank)
+    except ConnectionRefusedError:
+        return False
+    except ValueError as exc:
+        liveness.warn(f"{who} (host {host}): {exc}")
+        return None
+    if sock is None:
+        liveness.warn(f"{who} (host {host}) cannot reach aiakrun's liveness port ({why}); "
+                      "it will not stop by itself if aiakrun dies")
+    return sock
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command; returns its status when it ends normally or the job was stopped."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -187,6 +238,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     output_root = env.get(OUTPUT_DIR_ENV)
     output_dir = os.path.join(output_root, rank_dir_name(rank, size)) if output_root else None
     failure_dir = env.get(FAILURE_DIR_ENV, "")
+    launcher_link = _connect_launcher(env.pop(liveness.LIVENESS_ENV, ""), rank, host)
+    if launcher_link is False:
+        return 1  # aiakrun is already gone: do not start the rank at all
 
     try:
         child = _Child(args, env, output_dir)
@@ -197,6 +251,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_failure(failure_dir, failure)
         _die(127)
         return 127
+    if launcher_link is not None:
+        liveness.watch(launcher_link, child.stop_tree)
     returncode = child.wait()
     if returncode == 0:
         return 0

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from aiak_training.allreduce import adasum as _adasum
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.horovod_strings import TENSOR_TYPE_NOT_SUPPORTED
 from aiak_training.common.messages import OpType, Request
@@ -57,14 +58,17 @@ def check_data_type(dtype: Any, what: str = "") -> DataType:
     return found
 
 
-def check_reduce_op(op: int, dtype: DataType) -> ReduceOp:
-    """The ReduceOp for ``op``, refused where the engine cannot apply it to ``dtype``."""
+def check_reduce_op(op: int, dtype: DataType, adasum: bool = False) -> ReduceOp:
+    """The ReduceOp for ``op``, refused where the engine cannot apply it to ``dtype``.
+    ``adasum``: the caller is an allreduce, the one collective Adasum applies to."""
     try:
         rop = _REDUCE_OPS[op]
     except (KeyError, TypeError):
         raise ValueError(f"Unknown reduce op {op!r}.") from None
     if rop == ReduceOp.ADASUM:
-        raise NotImplementedError("Adasum is not supported by aiak_training yet.")
+        if not adasum:
+            raise NotImplementedError(_adasum.NOT_FOR_REDUCESCATTER)
+        _adasum.check_dtype(dtype)
     if dtype == DataType.BOOL and rop == ReduceOp.AVERAGE:
         raise ValueError("Average is not supported for bool tensors; use Sum/Max (logical or) "
                          "or Min/Product (logical and).")
@@ -193,11 +197,26 @@ def _allocator(outs: List[Optional[np.ndarray]], index: int,
     return allocate
 
 
-def _checked_op(op: int, arrays: Sequence[np.ndarray]) -> int:
+def _checked_op(op: int, arrays: Sequence[np.ndarray], adasum: bool = False) -> int:
     """``op`` as the engine's code, once every array's type accepts it."""
     for a in arrays:
-        check_reduce_op(op, check_data_type(np.asarray(a).dtype))
+        check_reduce_op(op, check_data_type(np.asarray(a).dtype), adasum)
     return int(op)
+
+
+def check_adasum_set(process_set: ProcessSet) -> None:
+    """Horovod's limits on where Adasum runs: the global set, of a power-of-two size."""
+    _adasum.check_ranks(set_size(process_set), process_set.process_set_id == 0)
+
+
+def check_adasum_dtype(dtype: DataType, shown: Any = None) -> None:
+    """``ValueError`` naming the type (``shown``: the framework's name for it) unless
+    Adasum can combine it (float16, bfloat16, float32, float64)."""
+    _adasum.check_dtype(dtype, shown)
+
+
+#: The error for Adasum asked of reducescatter.
+ADASUM_NOT_FOR_REDUCESCATTER = _adasum.NOT_FOR_REDUCESCATTER
 
 
 def allreduce(arrays: Sequence[np.ndarray], names: Names, op: int,
@@ -205,7 +224,9 @@ def allreduce(arrays: Sequence[np.ndarray], names: Names, op: int,
               postscale_factor: float = 1.0) -> List[np.ndarray]:
     """Reduce each array over ``process_set`` with ``op`` (a ``ReduceOp`` value); new
     arrays of the same shapes and dtypes, in order."""
-    rop = _checked_op(op, arrays)
+    rop = _checked_op(op, arrays, adasum=True)
+    if rop == ReduceOp.ADASUM:
+        check_adasum_set(process_set)
     outputs = [empty(np.shape(a), np.asarray(a).dtype) for a in arrays]
     outs, _ = _run(OpType.ALLREDUCE, arrays, names, process_set, outputs, reduce_op=rop,
                    prescale=float(prescale_factor), postscale=float(postscale_factor))

@@ -12,6 +12,7 @@ import threading
 from typing import Dict, List, Optional, Sequence, Union
 
 from aiak_training.common import build_info
+from aiak_training.common import exit_guard as _exit_guard
 from aiak_training.common import horovod_strings as hs
 from aiak_training.common.config import Config
 from aiak_training.common.env import env_bool
@@ -20,7 +21,9 @@ from aiak_training.runtime import current
 from aiak_training.runtime.current import engine, is_initialized  # noqa: F401 - re-exported
 from aiak_training.runtime.engine import Engine
 from aiak_training.runtime.native_engine import NativeEngine
+from aiak_training.runtime import startup_line as _startup_line
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.transport import gloo as _gloo
 
 _state_lock = threading.Lock()
 _atexit_registered = False
@@ -64,17 +67,24 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = N
     or an mpi4py communicator (which is duplicated, never used directly).
     ``process_sets`` is None, a list of :class:`ProcessSet` to create now (the same list on
     every process), or ``"dynamic"`` to allow :func:`add_process_set` and
-    :func:`remove_process_set` later.  A second call while running does nothing; after
+    :func:`remove_process_set` later.  The same ranks may not appear twice (nor all ranks,
+    which are the global set): that is Horovod's ``ValueError`` naming the entry's number.
+    A second call while running starts nothing; as in Horovod, the process sets it is given
+    take the ids of the registered sets with their ranks (one that is not registered is a
+    ``ValueError``: register it with ``add_process_set``, or shut down first).  After
     :func:`shutdown`, ``init`` starts a fresh runtime.
     """
     global _atexit_registered
     from mpi4py import MPI
     with _state_lock:
         if current.is_initialized():
+            if process_sets is not None and not isinstance(process_sets, str):
+                _adopt_registered_sets(list(process_sets))
             return
         config = Config.from_env()
         _configure_logging(config.log_level)
-        if env_bool("HOROVOD_MPI_THREADS_DISABLE") and \
+        use_gloo = _gloo.gloo_selected()
+        if env_bool("HOROVOD_MPI_THREADS_DISABLE") and not use_gloo and \
                 MPI.Query_thread() == MPI.THREAD_MULTIPLE:
             log.warning("HOROVOD_MPI_THREADS_DISABLE=1 has no effect: MPI was initialized with "
                         "MPI_THREAD_MULTIPLE before aiak_training was imported (import "
@@ -83,16 +93,21 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = N
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
             config.dynamic_process_sets = True
             process_sets = None
-        base = _base_communicator(comm)
+        base = _gloo.base_communicator(comm) if use_gloo else _base_communicator(comm)
         static: List[List[int]] = []
         for ps in process_sets or ():
             if not isinstance(ps, ProcessSet):
                 raise ValueError(f"process_sets must contain ProcessSet objects, got {ps!r}.")
             static.append(ps.resolve_ranks(base))
+        # Every rank checks the same list, so all refuse it together, before anything starts.
+        _check_no_duplicates(list(process_sets or ()), static, base.Get_size())
         engine_class = NativeEngine if config.engine == "native" else Engine
+        if use_gloo:
+            engine_class = _gloo.engine_for_gloo(config, NativeEngine, Engine)
         started = engine_class(base, config, static)
         started.start()
         current.install(started)
+        _startup_line.announce_start(started)  # rank 0: engine, transport, algorithm, switches
         global_process_set.ranks = list(range(started.topology.size))
         global_process_set.process_set_id = 0
         for set_id, ps in enumerate(process_sets or (), start=1):
@@ -102,13 +117,59 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = N
             _atexit_registered = True
 
 
+def _duplicate_error(index: int, ps: ProcessSet) -> ValueError:
+    ps.process_set_id = None
+    return ValueError(f"Horovod could not be initialized because process_sets entry number "
+                      f"{index} is a duplicate: {ps}")
+
+
+def _check_no_duplicates(process_sets: List[ProcessSet], ranks: List[List[int]],
+                         world_size: int) -> None:
+    """Horovod's rule: each entry's ranks differ from the global set's and every earlier
+    entry's."""
+    seen = {tuple(range(world_size))}
+    for index, (ps, members) in enumerate(zip(process_sets, ranks)):
+        key = tuple(sorted(members))
+        if key in seen:
+            raise _duplicate_error(index, ps)
+        seen.add(key)
+
+
+def _adopt_registered_sets(process_sets: List[ProcessSet]) -> None:
+    """``init(process_sets=...)`` while running: give each set the id of the registered set
+    with its ranks, as Horovod's second ``init`` does."""
+    running = current.engine()
+    by_ranks = {tuple(r): set_id for set_id, r in running.process_set_table().items()}
+    seen = {0}
+    for index, ps in enumerate(process_sets):
+        if not isinstance(ps, ProcessSet):
+            raise ValueError(f"process_sets must contain ProcessSet objects, got {ps!r}.")
+        members = tuple(sorted(ps.resolve_ranks(running._parent_comm)))
+        set_id = by_ranks.get(members)
+        if set_id is None:
+            raise ValueError(
+                f"hvd.init(process_sets=...) was called while Horovod is running, and "
+                f"process_sets entry number {index} ({ps}) is not a registered process set: "
+                "a running job cannot create process sets through init. Register it with "
+                "hvd.add_process_set (HOROVOD_DYNAMIC_PROCESS_SETS=1), or call "
+                "hvd.shutdown() before hvd.init(process_sets=...).")
+        if set_id in seen:
+            raise _duplicate_error(index, ps)
+        seen.add(set_id)
+        ps.process_set_id = set_id
+
+
 def shutdown() -> None:
     """Stop the runtime on this process.  Operations still in flight fail with
     ``HorovodInternalError``; peers see this process leave and stop too."""
     with _state_lock:
         stopping = current.install(None)
     if stopping is not None:
+        # A still-running engine means the program ended normally; one that stopped by
+        # itself failed or was stopped by a peer (common/exit_guard.py bounds the exit then).
+        _exit_guard.note_shutdown(stopping.running)
         stopping.shutdown()
+        _gloo.release(getattr(stopping, "_parent_comm", None))  # Gloo: connections close now
 
 
 def size() -> int:
@@ -151,18 +212,24 @@ def mpi_threads_supported() -> bool:
     """Whether MPI was started with ``MPI_THREAD_MULTIPLE`` (other threads may then use MPI
     too, e.g. through mpi4py)."""
     from mpi4py import MPI
+    if gloo_enabled():
+        engine()
+        return False  # no MPI in a Gloo job
     engine()
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def mpi_enabled() -> bool:
-    """Whether the job talks over MPI: always, in this implementation."""
-    return True
+    """Whether the job talks over MPI (before ``init``: whether ``init`` would use it)."""
+    return not gloo_enabled()
 
 
 def gloo_enabled() -> bool:
-    """Whether the job talks over Gloo: never, in this implementation."""
-    return False
+    """Whether the job talks over Gloo (``aiakrun --gloo``, ``HOROVOD_CONTROLLER=gloo``);
+    before ``init``: whether ``init`` would use it."""
+    if _gloo.world_active():
+        return True
+    return not current.is_initialized() and _gloo.gloo_selected()
 
 
 def _build_flag(name: str):

@@ -30,6 +30,12 @@ def engine() -> "Engine":
     stopped."""
     current = _engine
     if current is None or not current.running:
+        fatal = getattr(current, "_fatal", None)
+        if fatal:
+            # The engine stopped because the job failed (a peer died): every later operation
+            # fails as the pending ones did, as in Horovod, until shutdown() and init().
+            from aiak_training.common.exceptions import HorovodInternalError
+            raise HorovodInternalError(fatal)
         raise ValueError(hs.NOT_INITIALIZED)
     return current
 

@@ -163,6 +163,13 @@ class Engine:
                 return self._foreign_sets[set_id], len(self._foreign_sets[set_id]), None
         raise ValueError(f"Process set {set_id} is not registered.")
 
+    def process_set_table(self) -> Dict[int, List[int]]:
+        """Every registered set's id and ranks, this rank a member or not."""
+        with self._lock:
+            table = {set_id: list(ranks) for set_id, ranks in self._foreign_sets.items()}
+            table.update({set_id: list(state.ranks) for set_id, state in self._sets.items()})
+        return table
+
     def rank_in_set(self, set_id: int) -> Optional[int]:
         """This rank's rank in a set it belongs to, else None.  Lock-free, for the submission
         path: a dict read is atomic, and a set's state never changes once registered."""

@@ -10,6 +10,7 @@ from typing import Callable, List
 import numpy as np
 from mpi4py import MPI
 
+from aiak_training.allreduce.adasum import adasum_allreduce
 from aiak_training.common import native
 from aiak_training.common.config import Config
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp, mpi_datatype, mpi_op
@@ -172,9 +173,18 @@ class Executor:
         factors (``post`` already includes Average's 1/size)."""
         native.scale(addr, count, int(dtype), pre)
         self.completer.activity(names, "MPI_ALLREDUCE")
-        state.algorithm(state.topology, addr, count, dtype, op)
+        self._reduce(state, addr, [count], dtype, op)
         self.completer.activity(names, None)
         native.scale(addr, count, int(dtype), post)
+
+    @staticmethod
+    def _reduce(state, addr: int, counts: List[int], dtype: DataType, op: ReduceOp) -> None:
+        """Run the set's algorithm on tensors of ``counts`` elements laid end to end; Adasum
+        needs the tensor boundaries (per-tensor coefficients), the others only the total."""
+        if op == ReduceOp.ADASUM:
+            adasum_allreduce(state.topology, addr, counts, dtype)
+        else:
+            state.algorithm(state.topology, addr, sum(counts), dtype, op)
 
     def _allreduce_fused(self, state, entries, dtype, op, pre, post) -> None:
         itemsize = ITEMSIZE[dtype]
@@ -190,7 +200,7 @@ class Executor:
         self.completer.activity(names, None)
         native.scale(base, total // itemsize, int(dtype), pre)
         self.completer.activity(names, "MPI_ALLREDUCE")
-        state.algorithm(state.topology, base, total // itemsize, dtype, op)
+        self._reduce(state, base, [e.count for e in entries], dtype, op)
         self.completer.activity(names, None)
         self.completer.activity(names, "MEMCPY_OUT_FUSION_BUFFER")
         outs = [e.out_addr for e in entries]

@@ -22,7 +22,7 @@ from mpi4py import MPI
 from aiak_training.allreduce.flat import flat_allreduce
 from aiak_training.common import horovod_strings as hs
 from aiak_training.common import native
-from aiak_training.common.dtypes import DataType, mpi_datatype
+from aiak_training.common.dtypes import DataType, ReduceOp, mpi_datatype
 from aiak_training.common.exceptions import HorovodInternalError
 from aiak_training.common.messages import OpType, Request, Response
 from aiak_training.runtime.completion import Completer
@@ -183,7 +183,9 @@ class NativeEngine(Engine):
         tuples, lane_names = [], []
         for req, entry in zip(requests, entries):
             op = req.op_type
-            lane = req.device >= 0 or op in _LANE_OPS or (op == OpType.ALLREDUCE and not flat)
+            # Adasum runs in Python (allreduce/adasum.py) whatever the set's algorithm.
+            lane = req.device >= 0 or op in _LANE_OPS or (
+                op == OpType.ALLREDUCE and (not flat or req.reduce_op == ReduceOp.ADASUM))
             if lane and state is not None:
                 # The lane reads the entry: it must be in place before the native thread can
                 # see the request.
@@ -210,8 +212,9 @@ class NativeEngine(Engine):
     def submit_allreduce(self, set_id: int, rank: int, name: str, dtype: int, shape: tuple,
                          in_addr: int, out_addr: int, reduce_op: int, prescale: float,
                          postscale: float, keep: object) -> int:
-        if set_id not in self._flat_sets:
-            # The lane runs it (hierarchical algorithm), or enqueue raises the usual error.
+        if set_id not in self._flat_sets or reduce_op == ReduceOp.ADASUM:
+            # The lane runs it (hierarchical algorithm, Adasum), or enqueue raises the usual
+            # error.
             return super().submit_allreduce(set_id, rank, name, dtype, shape, in_addr, out_addr,
                                             reduce_op, prescale, postscale, keep)
         try:

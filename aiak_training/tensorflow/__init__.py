@@ -27,3 +27,6 @@ from aiak_training.tensorflow.mpi_ops import (Adasum, Average, Max, Min, Product
 from aiak_training.tensorflow.reductions import (allreduce, grouped_allreduce,  # noqa: F401
                                                  grouped_reducescatter, reducescatter)
 from aiak_training.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: F401
+from aiak_training.tensorflow.tf1 import (BroadcastGlobalVariablesHook,  # noqa: F401
+                                          DistributedOptimizer, broadcast_global_variables)
+from aiak_training.tensorflow import elastic  # noqa: F401,E402 - hvd.elastic, as in Horovod

@@ -15,6 +15,11 @@ already; the explicit edge also covers graphs built without them (backward funct
 
 XLA cannot compile a Python op, so ``jit_compile=True`` is refused while tracing, with the
 op's name, instead of failing later inside XLA with an error that does not mention us.
+
+Errors keep Horovod's TensorFlow classes in both modes (``errors``): a mismatch between
+ranks is ``FailedPreconditionError`` (in a graph through the ``AiakCheckStatus`` op that
+follows the collective, since a Python op can only fail as ``UnknownError``), an argument
+the op cannot run with ``InvalidArgumentError``.
 """
 import weakref
 from typing import Callable, List, Optional, Sequence
@@ -26,7 +31,9 @@ from tensorflow.python.ops import control_flow_util
 
 from aiak_training.common.exceptions import HorovodInternalError
 from aiak_training.common.horovod_strings import TENSOR_TYPE_NOT_SUPPORTED
-from aiak_training.tensorflow.errors import framework_error
+from aiak_training.tensorflow import _status_op
+from aiak_training.tensorflow.errors import (HorovodPreconditionError, framework_error,
+                                             invalid_argument)
 
 SUPPORTED_DTYPES = frozenset({tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64,
                               tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.bool})
@@ -89,6 +96,8 @@ def run(label: str, inputs: Sequence[tf.Tensor], compute: Compute,
             outs = compute([to_numpy(t) for t in inputs], None)
         except HorovodInternalError as exc:
             raise framework_error(exc) from exc
+        except ValueError as exc:
+            raise invalid_argument(exc) from exc
         return [to_tensor(o) for o in outs]
     return _graph_op(op_label(label), inputs, compute, out_dtypes, out_shapes,
                      ignore_name_scope)
@@ -105,20 +114,44 @@ def _graph_op(label: str, inputs: Sequence[tf.Tensor], compute: Compute,
             "compile. Call it outside the compiled function, or compile with jit_compile="
             "False (Keras: model.compile(..., jit_compile=False)).")
     engine_name: List[str] = []
+    checker = _status_op.module()
 
     def body(*tensors):
         arrays = [to_numpy(t) for t in tensors]
-        return [to_tensor(o) for o in compute(arrays, engine_name[0])]
+        try:
+            outs = [to_tensor(o) for o in compute(arrays, engine_name[0])]
+        except HorovodInternalError as exc:
+            error = framework_error(exc)
+            if checker is None or not isinstance(error, HorovodPreconditionError):
+                raise error from exc
+            # Placeholders: the status op fails the step before anything reads them.
+            return [tf.zeros([0], dtype) for dtype in out_dtypes] + [
+                tf.constant(error.error_code, tf.int32), tf.constant(str(exc))]
+        if checker is None:
+            return outs
+        return outs + [tf.constant(0, tf.int32), tf.constant("")]
 
+    status_dtypes = [] if checker is None else [tf.int32, tf.string]
     previous = _last_op.get(graph)
     with tf.control_dependencies([previous] if previous is not None else []):
-        outputs = tf.py_function(body, list(inputs), list(out_dtypes), name=label)
+        outputs = tf.py_function(body, list(inputs), list(out_dtypes) + status_dtypes,
+                                 name=label)
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     op = outputs[0].op
-    _last_op[graph] = op
+    # Inside TF1 control flow (a v1 cond or while) the op may not run at all, and whatever
+    # waited on it would not run either: the next collective orders after it only if not.
+    if graph._get_control_flow_context() is None:  # pylint: disable=protected-access
+        _last_op[graph] = op
     # The op's unique name in its graph identifies the collective across ranks: it is the
     # same on every rank that traced the same code.
     engine_name.append(op.name.rsplit("/", 1)[-1] if ignore_name_scope else op.name)
+    if checker is not None:
+        code, message = outputs[len(out_dtypes):]
+        outputs = outputs[:len(out_dtypes)]
+        check = checker.aiak_check_status(code, message, name=f"{label}_status")
+        # Every reader of a result waits for the check, so none sees a placeholder.
+        with tf.control_dependencies([check]):
+            outputs = [tf.identity(t) for t in outputs]
     for tensor, shape in zip(outputs, out_shapes):
         tensor.set_shape(shape)
     return outputs

@@ -3,8 +3,12 @@
 Horovod's TensorFlow ops fail through TensorFlow's status codes: a mismatch between ranks is
 ``tf.errors.FailedPreconditionError``, a stopped job ``tf.errors.UnknownError``.  Eager calls
 here raise classes that are both that TensorFlow error and :class:`HorovodInternalError`,
-so either ``except`` clause catches them.  (Inside a graph, TensorFlow reports every error
-of a Python op as ``tf.errors.UnknownError``, whose message carries ours.)
+so either ``except`` clause catches them.  Inside a graph the op fails with the same
+TensorFlow class (see ``_status_op``), its message carrying ours.
+
+Bad arguments that only show when the op runs (an alltoall whose rows do not divide among
+the ranks, a collective on a process set this rank is not in) are
+``tf.errors.InvalidArgumentError``, as in Horovod; eagerly they are also ``ValueError``.
 """
 import tensorflow as tf
 
@@ -37,3 +41,18 @@ def framework_error(exc: HorovodInternalError) -> HorovodInternalError:
     if message.startswith(_NEGOTIATION_ERRORS):
         return HorovodPreconditionError(message)
     return HorovodUnknownError(message)
+
+
+class HorovodInvalidArgumentError(ValueError, tf.errors.InvalidArgumentError):
+    """An argument the operation cannot run with (found when it runs)."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+
+
+def invalid_argument(exc: ValueError) -> ValueError:
+    """``exc`` as the ``tf.errors.InvalidArgumentError`` Horovod's op would raise."""
+    if isinstance(exc, tf.errors.InvalidArgumentError):
+        return exc
+    return HorovodInvalidArgumentError(str(exc))

@@ -41,6 +41,8 @@ TensorLike = Union[tf.Tensor, tf.Variable, np.ndarray, Sequence]
 
 def init(comm=None, process_sets=None) -> None:
     if _basics.is_initialized():
+        if process_sets is not None:
+            _basics.init(comm, process_sets)  # takes the registered sets' ids, as Horovod
         return
     _basics.init(comm, process_sets)
     array_ops.reset_names()
@@ -78,6 +80,30 @@ def _label(kind: str, name: Optional[str], tensors: Sequence[tf.Tensor]) -> str:
     if len(tensors) == 1:
         return f"Horovod{kind}_{tensors[0].name}"
     return f"HorovodGrouped{kind}_{tensors[0].name}_{tensors[-1].name}"
+
+
+def _is_member(process_set: ProcessSet) -> bool:
+    """Whether this rank belongs to the registered ``process_set``."""
+    sid = process_set.process_set_id
+    return sid is not None and current.engine().process_set_info(sid)[2] is not None
+
+
+def _check_member(process_set: ProcessSet) -> None:
+    """Refuse a process set that is not registered, now; one this rank is not in, as
+    Horovod does, when the op runs: eagerly that is now, in a graph when the graph runs
+    (both ``tf.errors.InvalidArgumentError``)."""
+    try:
+        array_ops.set_rank(process_set)
+    except ValueError as exc:
+        sid = process_set.process_set_id
+        try:
+            known = sid is not None and current.engine().process_set_info(sid) is not None
+        except ValueError:
+            known = False
+        if not known:
+            raise
+        if tf.executing_eagerly():
+            raise _bridge.invalid_argument(exc) from exc
 
 
 def _data_type(tensor: tf.Tensor):
@@ -138,8 +164,10 @@ def _allreduce_group(tensors: Sequence[TensorLike], grouped: bool, name: Optiona
     if not inputs:
         return []
     for t in inputs:
-        array_ops.check_reduce_op(op, _data_type(t))
-    array_ops.set_rank(process_set)
+        array_ops.check_reduce_op(op, _data_type(t), adasum=True)
+    _check_member(process_set)
+    if op == Adasum:
+        array_ops.check_adasum_set(process_set)
     label = _label("Allreduce", name, inputs)
     prefix = "grouped_allreduce" if grouped else "allreduce"
 
@@ -189,7 +217,7 @@ def _allgather_group(tensors: Sequence[TensorLike], grouped: bool, name: Optiona
         return []
     for t in inputs:
         _rows_dim(t, "allgather")
-    array_ops.set_rank(process_set)
+    _check_member(process_set)
     label = _label("Allgather", name, inputs)
     prefix = "grouped_allgather" if grouped else "allgather"
 
@@ -245,7 +273,7 @@ def _broadcast_group(tensors: Sequence[TensorLike], root_rank: int, grouped: boo
     inputs = _inputs(tensors, name)
     if not inputs:
         return []
-    array_ops.set_rank(process_set)
+    _check_member(process_set)
     array_ops.root_index(process_set, root_rank)
     label = _label("Broadcast", name, inputs)
     prefix = "grouped_broadcast" if grouped else "broadcast"
@@ -292,7 +320,10 @@ def broadcast_(variables: Sequence[tf.Variable], root_rank: int, name: Optional[
     if tf.executing_eagerly():
         return [tf.convert_to_tensor(v) for v in variables]
     with tf.control_dependencies(updates):
-        return [tf.convert_to_tensor(v) for v in variables]
+        # A fresh read after the assignments: converting a TF1 RefVariable would return
+        # its snapshot, a tensor made with the variable, which no control edge can order.
+        return [v.read_value() if hasattr(v, "read_value") else tf.identity(v)
+                for v in variables]
 
 
 # ---- alltoall -----------------------------------------------------------------------------
@@ -310,15 +341,12 @@ def alltoall(tensor: TensorLike, splits: Optional[TensorLike] = None,
     """
     (x,) = _inputs([tensor], name)
     _rows_dim(x, "alltoall")
-    array_ops.set_rank(process_set)
+    _check_member(process_set)
     members = array_ops.set_size(process_set)
     split_tensor = (tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int32)
                     if splits is not None else tf.zeros([0], tf.int32))
-    static_splits = tf.get_static_value(split_tensor)
-    if x.shape.rank is not None and x.shape[0] is not None and static_splits is not None:
-        # Known while tracing: refuse bad splits now rather than when the graph runs.
-        array_ops.alltoall_splits(x.shape[0], None if splits is None else static_splits,
-                                  members)
+    # Rows and splits are checked when the op runs, as Horovod's op checks them: a bad
+    # combination is tf.errors.InvalidArgumentError, eagerly and in a graph.
     label = _label("Alltoall", name, [x])
 
     def compute(arrays, graph_name):
@@ -344,6 +372,8 @@ def _scattered_rows(shape: tf.TensorShape, process_set: ProcessSet) -> tf.Tensor
     """This rank's share of the rows, when the row count is known while tracing."""
     if shape.rank is None or shape[0] is None:
         return _varying_rows(shape)
+    if not _is_member(process_set):
+        return _varying_rows(shape)  # the op fails when it runs (see _check_member)
     members, me = array_ops.set_size(process_set), array_ops.set_rank(process_set)
     base, extra = divmod(shape[0], members)
     return tf.TensorShape([base + (1 if me < extra else 0)]).concatenate(shape[1:])
@@ -358,7 +388,7 @@ def _reducescatter_group(tensors: Sequence[TensorLike], grouped: bool, name: Opt
     for t in inputs:
         array_ops.check_reduce_op(op, _data_type(t))
         _rows_dim(t, "reducescatter")
-    array_ops.set_rank(process_set)
+    _check_member(process_set)
     label = _label("Reducescatter", name, inputs)
     prefix = "grouped_reducescatter" if grouped else "reducescatter"
 
@@ -432,7 +462,7 @@ def join() -> tf.Tensor:
 def barrier(process_set: ProcessSet = global_process_set):
     """Wait until every member of ``process_set`` has called barrier.  In a graph, returns
     the op that waits; eagerly, None."""
-    array_ops.set_rank(process_set)
+    _check_member(process_set)
     waited = _int_op("HorovodBarrier", lambda: array_ops.barrier(process_set) or 0)
     return None if tf.executing_eagerly() else waited.op
 

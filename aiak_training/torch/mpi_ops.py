@@ -14,8 +14,10 @@ What holds for every collective below, so that each docstring can stay short:
 * A trailing ``_`` means in place: the result is written into the argument, which is also
   returned.  The others never touch their argument and return fresh tensors.
 * The blocking out-of-place calls are differentiable (each says what its gradient is).
-* ``op`` is Average (the default when None), Sum, Min, Max or Product.  ``average`` is the
-  deprecated older switch (True: Average, False: Sum); give one of the two, not both.
+* ``op`` is Average (the default when None), Sum, Adasum, Min, Max or Product (Adasum:
+  allreduce only; float tensors on CPU; the global set, of a power-of-two size).
+  ``average`` is the deprecated older switch (True: Average, False: Sum); give one of the
+  two, not both.
   ``prescale_factor`` and ``postscale_factor`` multiply the data before and after reducing.
 """
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
@@ -97,7 +99,10 @@ def _check_op(op: int, tensor: torch.Tensor) -> ReduceOp:
     except (KeyError, TypeError):
         raise ValueError(f"Unknown reduce op {op!r}.") from None
     if rop == ReduceOp.ADASUM:
-        raise NotImplementedError("Adasum is not supported by aiak_training yet.")
+        array_ops.check_adasum_dtype(_dtype(tensor), tensor.dtype)
+        if tensor.is_cuda:
+            raise NotImplementedError("Adasum runs on CPU tensors only in aiak_training; move "
+                                      "the tensor to the CPU (tensor.cpu()) to reduce it.")
     if tensor.dtype == torch.bool and rop == ReduceOp.AVERAGE:
         raise ValueError("Average is not supported for bool tensors; use Sum/Max (logical or) "
                          "or Min/Product (logical and).")
@@ -317,6 +322,8 @@ def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor],
         raise ValueError("Expected at least one tensor.")
     for t in tensors:
         rop = _check_op(op, t)
+    if rop == ReduceOp.ADASUM:
+        array_ops.check_adasum_set(process_set)
     if len(tensors) == 1 and tensors[0].is_cpu:
         return _submit_host_allreduce(tensors[0], outputs[0], names, rop, prescale_factor,
                                       postscale_factor, process_set, finish)
@@ -666,6 +673,8 @@ def _reducescatter_async(tensors, names, op, prescale_factor, postscale_factor, 
     for t in tensors:
         _check_tensor(t)
         rop = _check_op(op, t)
+        if rop == ReduceOp.ADASUM:
+            raise NotImplementedError(array_ops.ADASUM_NOT_FOR_REDUCESCATTER)
         if t.dim() == 0:
             raise ValueError("reducescatter requires a tensor of rank >= 1 (got a scalar).")
         srcs.append(t.contiguous())

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch
 
 from aiak_training.common import horovod_strings as hs
+from aiak_training.runtime import startup_line as _startup_line
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.torch import overlap as _overlap
 from aiak_training.torch.compression import Compression
@@ -427,7 +428,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``Compression.fp16``); ``Compression.dgc(...)`` builds a DGC optimizer instead.
         backward_passes_per_step: backward passes whose gradients accumulate locally before
             they are reduced, i.e. between two ``step()``/``synchronize()`` calls.
-        op: ``Average`` (default), ``Sum`` or ``Adasum`` (single process only).
+        op: ``Average`` (default), ``Sum`` or ``Adasum``.  With ``Adasum`` on more than one
+            rank, each rank steps with its own gradients and the parameter updates are
+            Adasum-combined (see ``adasum_optimizer.py``; a power-of-two number of ranks).
         gradient_predivide_factor: with ``Average`` only: gradients are multiplied by
             ``1 / factor`` before the sum and by ``factor / size`` after it.
         num_groups: deprecated spelling of an integer ``groups``.
@@ -451,14 +454,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError(hs.PREDIVIDE_NEEDS_AVERAGE)
-    if op == Adasum and size() > 1:
-        # On one process Horovod runs the plain optimizer, and so does this.
-        raise NotImplementedError("Adasum is not supported by aiak_training yet.")
     if num_groups != 0:
         warnings.warn(hs.NUM_GROUPS_DEPRECATED, DeprecationWarning)
         groups = num_groups if groups is None else groups
     if backward_passes_per_step <= 0:
         raise ValueError(hs.BACKWARD_PASSES_POSITIVE)
+    if op == Adasum and size() > 1:
+        # On one process Horovod runs the plain optimizer, and so does this; on more, the
+        # delta optimizer (adasum_optimizer.py).
+        if process_set.process_set_id != global_process_set.process_set_id:
+            raise NotImplementedError(hs.ADASUM_PROCESS_SETS)
+        from aiak_training.torch.adasum_optimizer import distributed_adasum_optimizer
+        return distributed_adasum_optimizer(optimizer, named_parameters, compression,
+                                            backward_passes_per_step,
+                                            _DistributedOptimizer._checked_names)
 
     # Compressors that need their own exchange (e.g. DGC's sparse allgather) build the
     # distributed optimizer themselves.
@@ -471,10 +480,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             warnings.warn("Compression.dgc exchanges each gradient on its own as sparse "
                           "(index, value) pairs: groups= and sparse_as_dense= have no effect.",
                           UserWarning, stacklevel=2)
-        return factory(optimizer, named_parameters=named_parameters,
+        made = factory(optimizer, named_parameters=named_parameters,
                        backward_passes_per_step=backward_passes_per_step, op=op,
                        gradient_predivide_factor=gradient_predivide_factor,
                        process_set=process_set)
+        _startup_line.announce_optimizer(made, compression, False)  # DGC steps synchronously
+        return made
 
     if os.environ.get("AIAK_FUSED_OPTIMIZER", "") not in ("", "0"):
         from aiak_training.fused_optim import maybe_fuse
@@ -490,4 +501,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # those rather than the user's; Apex-style optimizers read options from it at step time
     # (FusedLAMB's max_grad_norm), and add_param_group() fills new groups from it.
     wrapped.defaults.update(optimizer.defaults)
+    # Rank 0 says what this optimizer runs with (runtime/startup_line.py).
+    _startup_line.announce_optimizer(wrapped, compression, _overlap.requested(overlap_update))
     return wrapped

@@ -284,6 +284,9 @@ __attribute__((visibility("default"))) int64_t aiak_engine_enqueue(
     if (e == nullptr) throw std::runtime_error("the engine is not running (call hvd.init())");
     if (op_type != ALLREDUCE && op_type != BROADCAST)
       throw std::invalid_argument("the C ABI enqueues allreduce (0) and broadcast (2) only");
+    if (op_type == ALLREDUCE && reduce_op == aiak::ADASUM)
+      throw std::invalid_argument("the C ABI does not run Adasum (op 2): it runs in Python; use "
+                                  "the torch or TensorFlow frontend");
     if (name == nullptr || aiak::itemsize(dtype) == 0 || ndim < 0)
       throw std::invalid_argument("a name, a known dtype and ndim >= 0 are required");
     int rank = e->set_rank(set_id);

@@ -463,7 +463,8 @@ int64_t Engine::handle_of(int set_id, const std::string& name) const {
 // ---- execution --------------------------------------------------------------------------------
 bool Engine::is_lane(const SetState& set, const Response& resp) const {
   switch (resp.op_type) {
-    case ALLREDUCE: return resp.gpu || !set.flat;
+    // Adasum runs in Python (aiak_training/allreduce/adasum.py), whatever the set's algorithm.
+    case ALLREDUCE: return resp.gpu || !set.flat || resp.reduce_op == aiak::ADASUM;
     case BROADCAST: return resp.gpu;
     case BARRIER: case JOIN: return false;
     case ERROR: {

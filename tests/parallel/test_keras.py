@@ -7,6 +7,7 @@ single-process Keras run on the full data, numpy, or the formulas of Horovod's c
 Every ``model.fit`` traces a train function (seconds on TensorFlow), so each test runs few
 of them and checks much on each.
 """
+import importlib.util
 import os
 import sys
 
@@ -377,3 +378,25 @@ def test_load_model_round_trip():
     plain = keras.models.load_model(f"{directory}/{BACKEND}_sgd.keras")
     assert not hasattr(plain.optimizer, "register_local_var")
     assert isinstance(plain.optimizer, keras.optimizers.SGD)
+
+
+def test_partial_distributed_optimizer_keeps_local_layer_gradients():
+    me, n = hvd.rank(), hvd.size()
+    shared_layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+    local_layer = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")
+    inputs = keras.Input((1,))
+    model = keras.Model(inputs, keras.layers.Add()([shared_layer(inputs), local_layer(inputs)]))
+    opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=local_layer)
+    # d(mean prediction)/d(kernel) = x = rank + 1 for both kernels.
+    model.compile(optimizer=opt, loss=lambda y_true, y_pred: keras.ops.mean(y_pred))
+    model.fit(np.array([[me + 1.0]], np.float32), np.zeros((1, 1), np.float32), batch_size=1,
+              epochs=1, verbose=0)
+    mean = sum(r + 1 for r in range(n)) / n
+    np.testing.assert_allclose(to_numpy(shared_layer.kernel), [[-mean]], rtol=1e-6)
+    np.testing.assert_allclose(to_numpy(local_layer.kernel), [[-(me + 1) / n]], rtol=1e-6)
+    with pytest.raises(ValueError, match="tf.keras.layers.Layer"):
+        hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[object()])
+    if TENSORFLOW and importlib.util.find_spec("tf_keras") is not None:
+        import tf_keras
+        with pytest.raises(ValueError, match=r"tf_keras 2\.\d+.*Keras 3\.\d+"):
+            hvd.DistributedOptimizer(tf_keras.optimizers.SGD(0.1))

@@ -2,4 +2,4 @@
 TensorFlow or torch backend)."""
 from horovod import _aiak_alias
 
-_impl = _aiak_alias.reexport(globals(), "aiak_training.keras", submodules=("callbacks",))
+_impl = _aiak_alias.reexport(globals(), "aiak_training.keras", submodules=("callbacks", "elastic"))

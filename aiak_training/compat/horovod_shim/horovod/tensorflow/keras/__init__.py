@@ -2,4 +2,4 @@
 from horovod import _aiak_alias
 
 _impl = _aiak_alias.reexport(globals(), "aiak_training.tensorflow.keras",
-                             submodules=("callbacks",))
+                             submodules=("callbacks", "elastic"))

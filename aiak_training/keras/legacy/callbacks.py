@@ -1,0 +1,186 @@
+"""Horovod's Keras callbacks for Keras 2 (``tf_keras``): ``BroadcastGlobalVariablesCallback``,
+``MetricAverageCallback``, ``LearningRateScheduleCallback``, ``LearningRateWarmupCallback``.
+
+Same behaviour as the Keras 3 ones (``aiak_training.keras.callbacks``), on Keras 2's
+``Callback`` class, whose ``model.fit`` needs its own base class.  Learning rate and
+momentum are set through the optimizer's attributes, which Keras 2 optimizers keep in
+variables (a compiled step reads their current value), except a Keras >= 2.11 optimizer's
+``momentum``, a Python float taken in when the step is traced, as with Horovod.
+"""
+from typing import Any, Callable, Dict, Optional, Union
+
+import numpy as np
+import tensorflow as tf
+
+from aiak_training.common import horovod_strings as hs
+from aiak_training.keras import _flavour
+from aiak_training.tensorflow import functions, reductions
+from aiak_training.tensorflow.mpi_ops import Average, rank, size
+
+keras = _flavour.legacy()
+
+
+def _optimizer_variables(optimizer) -> list:
+    # Legacy optimizers have variables(), Keras >= 2.11 ones a variables property.
+    found = optimizer.variables
+    return list(found() if callable(found) else found)
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Broadcast the model's variables and then its optimizer's from ``root_rank`` at the
+    end of the first batch (when the optimizer has its slots), once.  Variables given in
+    ``local_variables`` or registered with ``register_local_var`` keep each rank's value."""
+
+    def __init__(self, root_rank: int, device: str = '', local_variables=None):
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self.broadcast_done = False
+        self._local_vars: set = set()
+        for var in ([local_variables] if isinstance(local_variables, tf.Variable)
+                    else list(local_variables or [])):
+            if not isinstance(var, tf.Variable):
+                raise ValueError(hs.LOCAL_VARIABLES_TYPE)
+            self.register_local_var(var)
+
+    def register_local_var(self, var) -> None:
+        """Leave ``var`` out of the broadcast."""
+        self._local_vars.add(var.ref())
+
+    def on_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.broadcast_done:
+            return
+        with tf.device(self.device):
+            weights = [v for v in self.model.variables if v.ref() not in self._local_vars]
+            functions.broadcast_variables(weights, self.root_rank)
+            optimizer = getattr(self.model, "optimizer", None)
+            if optimizer is not None:
+                state = [v for v in _optimizer_variables(optimizer)
+                         if v.ref() not in self._local_vars]
+                functions.broadcast_variables(state, self.root_rank)
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replace each epoch's logs with their average over the ranks at the end of the
+    epoch (put it before callbacks that read them); one float64 allreduce, names in sorted
+    order."""
+
+    def __init__(self, device: str = ''):
+        super().__init__()
+        self.device = device
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if not logs:
+            return
+        names = sorted(logs)
+        values = [np.asarray(logs[n], dtype=np.float64) for n in names]
+        flat = np.concatenate([v.reshape(-1) for v in values])
+        averaged = reductions.allreduce(tf.constant(flat), name="MetricAverageCallback",
+                                        op=Average).numpy()
+        start = 0
+        for name, value in zip(names, values):
+            part = averaged[start:start + value.size].reshape(value.shape)
+            start += value.size
+            logs[name] = float(part) if value.ndim == 0 else part
+
+
+def _get_value(value: Any) -> float:
+    if isinstance(value, (int, float)):
+        return float(value)
+    return float(keras.backend.get_value(value))
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Learning rate ``initial_lr * multiplier(epoch)`` for the epochs in
+    ``[start_epoch, end_epoch)`` (``multiplier`` a function, or a number ``m`` meaning
+    ``m ** (epoch - start_epoch)``); per epoch with ``staircase``, else per batch with a
+    fractional epoch.  ``momentum_correction`` scales momentum by ``new_lr / old_lr`` for
+    the batch where the rate changes.  The rate is logged as ``lr`` at each epoch's end."""
+
+    def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
+                 start_epoch: int = 0, end_epoch: Optional[int] = None,
+                 staircase: bool = True, momentum_correction: bool = True,
+                 steps_per_epoch: Optional[int] = None):
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError(hs.INITIAL_LR_REQUIRED)
+        self.initial_lr, self.steps_per_epoch = initial_lr, steps_per_epoch
+        self.start_epoch, self.end_epoch = start_epoch, end_epoch
+        self.staircase, self.momentum_correction = staircase, momentum_correction
+        self.multiplier = (multiplier if callable(multiplier)
+                           else lambda epoch: multiplier ** (epoch - start_epoch))
+        self.restore_momentum: Optional[float] = None
+        self.current_epoch: Optional[int] = None
+
+    def _autodetect_steps_per_epoch(self) -> int:
+        if self.params.get("steps"):
+            return self.params["steps"]
+        if self.params.get("samples") and self.params.get("batch_size"):
+            return self.params["samples"] // self.params["batch_size"]
+        raise ValueError(hs.STEPS_PER_EPOCH_UNKNOWN.format(type(self).__name__))
+
+    def _adjust_learning_rate(self, epoch: float) -> None:
+        optimizer = self.model.optimizer
+        old_lr = _get_value(optimizer.learning_rate)
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        optimizer.learning_rate = new_lr
+        if self.momentum_correction and hasattr(optimizer, "momentum"):
+            self.restore_momentum = _get_value(optimizer.momentum)
+            optimizer.momentum = self.restore_momentum * new_lr / old_lr
+
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self._autodetect_steps_per_epoch()
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.current_epoch = epoch
+
+    def on_batch_begin(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.current_epoch < self.start_epoch or (
+                self.end_epoch is not None and self.current_epoch >= self.end_epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self._adjust_learning_rate(self.current_epoch)
+        else:
+            self._adjust_learning_rate(self.current_epoch + float(batch) / self.steps_per_epoch)
+
+    def on_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.restore_momentum:
+            self.model.optimizer.momentum = self.restore_momentum
+            self.restore_momentum = None
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if logs is not None:
+            logs["lr"] = _get_value(self.model.optimizer.learning_rate)
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Raise the learning rate linearly from ``initial_lr / size`` to ``initial_lr`` over
+    ``warmup_epochs`` epochs, batch by batch:
+    ``lr(epoch) = initial_lr / size * (epoch * (size - 1) / warmup_epochs + 1)``, with the
+    fractional epoch shifted by one batch.  ``verbose`` > 0: rank 0 prints the final rate."""
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5,
+                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None,
+                 verbose: int = 0):
+        def multiplier(epoch: float) -> float:
+            epoch += 1.0 / self.steps_per_epoch
+            ranks = size()
+            return 1.0 / ranks * (epoch * (ranks - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
+                         staircase=False, momentum_correction=momentum_correction,
+                         steps_per_epoch=steps_per_epoch)
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:
+            print(hs.WARMUP_FINISHED.format(
+                epoch + 1, _get_value(self.model.optimizer.learning_rate)))
+
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback"]

@@ -1,0 +1,191 @@
+"""``DistributedOptimizer`` and ``PartialDistributedOptimizer`` for Keras 2 (``tf_keras``):
+its optimizers (``keras.optimizers.*``, Keras >= 2.11) and the legacy ones
+(``keras.optimizers.legacy.*``, ``OptimizerV2``).
+
+Where it hooks in, as Horovod's Keras 2 wrapper does: where the optimizer computes
+gradients.  ``model.fit`` and ``optimizer.minimize`` go through ``compute_gradients``
+(Keras 2.11+ optimizers) or ``_compute_gradients`` (legacy ones), and Keras 2's graph-mode
+path through ``get_gradients``; each returns the gradients combined over the ranks.
+``apply_gradients`` applies what it is given, so a custom loop that takes gradients from a
+plain ``tf.GradientTape`` combines them itself (``hvd.DistributedGradientTape``), as with
+Horovod.
+
+The result is an instance of a subclass of the optimizer's own class, with its name, made
+from its config; Keras saves it under that class, so a saved model loads without
+aiak_training.  ``backward_passes_per_step`` > 1 sums gradients locally and combines and
+applies them every that many passes (``iterations`` counts every pass), as Horovod does.
+"""
+from typing import Any, Dict, List, Optional
+
+import tensorflow as tf
+
+from aiak_training.common import horovod_strings as hs
+from aiak_training.keras import _flavour
+from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.tensorflow.compression import Compression
+from aiak_training.tensorflow.gradients import allreduce_gradients, check_gradient_options
+from aiak_training.tensorflow.mpi_ops import Average, Sum
+from aiak_training.tensorflow.tf1 import _LocalAggregation
+
+keras = _flavour.legacy()
+
+
+class _Options:
+    """What one distributed optimizer knows beyond its wrapped class (a plain object, which
+    Keras does not track)."""
+
+    def __init__(self, scope: str, reduce_options: Dict[str, Any], process_set: ProcessSet,
+                 scale_local_gradients: bool, aggregation: Optional[_LocalAggregation]):
+        self.scope = scope
+        self.reduce_options = reduce_options
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self.aggregation = aggregation
+        self.local: set = set()
+
+
+class _Distributed:
+    """What ``DistributedOptimizer`` adds to the Keras 2 optimizer class it wraps."""
+
+    _aiak: _Options
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient on this rank (divided by the process set's size when
+        ``scale_local_gradients``)."""
+        self._aiak.local.add(var.ref())
+
+    def _aiak_reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        state = self._aiak
+        shared = [i for i, v in enumerate(variables) if v.ref() not in state.local]
+        with tf.name_scope(state.scope):
+            reduced = allreduce_gradients([grads[i] for i in shared],
+                                          [variables[i] for i in shared],
+                                          **state.reduce_options)
+        out = list(grads)
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        if state.local and state.scale_local_gradients:
+            members = state.process_set.size()
+            for i, v in enumerate(variables):
+                g = out[i]
+                if v.ref() in state.local and g is not None:
+                    out[i] = (tf.IndexedSlices(g.values / members, g.indices, g.dense_shape)
+                              if isinstance(g, tf.IndexedSlices) else g / members)
+        return out
+
+    def _aiak_combine(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        aggregation = self._aiak.aggregation
+        if aggregation is None:
+            return self._aiak_reduce(grads, variables)
+        if not self._aiak.reduce_options["sparse_as_dense"] and any(
+                isinstance(g, tf.IndexedSlices) for g in grads):
+            raise ValueError(hs.SPARSE_WITH_BACKWARD_PASSES)
+        present = [v for g, v in zip(grads, variables) if g is not None]
+        return aggregation.compute(grads, variables,
+                                   lambda values: self._aiak_reduce(values, present))
+
+    # Keras >= 2.11 optimizers (model.fit and minimize come here).
+    def compute_gradients(self, loss, var_list, tape=None):
+        pairs = super().compute_gradients(loss, var_list, tape=tape)
+        grads, variables = [list(x) for x in zip(*pairs)] if pairs else ([], [])
+        return list(zip(self._aiak_combine(grads, variables), variables))
+
+    # Legacy (OptimizerV2) optimizers: minimize, and model.fit through minimize.
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        pairs = super()._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
+        grads, variables = [list(x) for x in zip(*pairs)] if pairs else ([], [])
+        return list(zip(self._aiak_combine(grads, variables), variables))
+
+    # Legacy optimizers in Keras 2's graph mode.
+    def get_gradients(self, loss, params):
+        grads = super().get_gradients(loss, params)
+        return self._aiak_combine(list(grads), list(params))
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        aggregation = self._aiak.aggregation
+        if aggregation is None or aggregation.ready is None:
+            return super().apply_gradients(grads_and_vars, *args, **kwargs)
+        pairs = list(grads_and_vars)
+        apply = super().apply_gradients
+        # The passes in between still count in ``iterations``, as in Horovod.
+        return aggregation.apply(lambda: apply(pairs, *args, **kwargs),
+                                 [v for _, v in pairs],
+                                 skip=lambda: self.iterations.assign_add(1))
+
+
+_classes: Dict[type, type] = {}
+
+
+def _distributed_class(base: type) -> type:
+    base = getattr(base, "_aiak_base", base)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_Distributed, base),
+                   {"__module__": base.__module__, "__qualname__": base.__qualname__,
+                    "_aiak_base": base})
+        _classes[base] = cls
+    return cls
+
+
+def _check_optimizer(optimizer: Any, what: str) -> None:
+    if isinstance(optimizer, (keras.optimizers.Optimizer, keras.optimizers.legacy.Optimizer)):
+        return
+    if _flavour.keras_of(optimizer) is not None:
+        raise _flavour.mixed_error(what, optimizer, keras)
+    raise ValueError(f"{what} wraps a Keras 2 optimizer (tf_keras.optimizers.Optimizer or "
+                     f"tf_keras.optimizers.legacy.Optimizer); got {type(optimizer).__name__}.")
+
+
+def DistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: str = '',
+                         device_sparse: str = '', compression: Any = Compression.none,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: int = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Optional[Any] = None,
+                         process_set: ProcessSet = global_process_set,
+                         scale_local_gradients: bool = True):
+    """Wrap a Keras 2 optimizer so that the gradients it computes are combined over the
+    ranks (averaged by default); options as in Horovod's ``horovod.tensorflow.keras``.
+
+    Returns a new optimizer of a subclass of ``type(optimizer)``, made from its config.
+    """
+    if op not in (Average, Sum):
+        raise ValueError(hs.KERAS_OPS_SUPPORTED)
+    groups = check_gradient_options(op, gradient_predivide_factor, num_groups, groups)
+    if backward_passes_per_step <= 0:
+        raise ValueError(hs.BACKWARD_PASSES_POSITIVE)
+    _check_optimizer(optimizer, "DistributedOptimizer")
+    cls = _distributed_class(type(optimizer))
+    wrapped = cls.from_config(optimizer.get_config())
+    aggregation = (_LocalAggregation(backward_passes_per_step, average_aggregated_gradients)
+                   if backward_passes_per_step > 1 else None)
+    options = _Options(name or f"Distributed{cls.__name__}",
+                       dict(device_dense=device_dense, device_sparse=device_sparse,
+                            compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                            gradient_predivide_factor=gradient_predivide_factor,
+                            groups=groups, process_set=process_set),
+                       process_set, scale_local_gradients, aggregation)
+    object.__setattr__(wrapped, "_aiak", options)  # out of Keras's attribute tracking
+    return wrapped
+
+
+def PartialDistributedOptimizer(optimizer, name: Optional[str] = None, device_dense: str = '',
+                                device_sparse: str = '', compression: Any = Compression.none,
+                                sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: int = Average,
+                                backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False,
+                                groups: Optional[Any] = None,
+                                process_set: ProcessSet = global_process_set,
+                                local_layers=None, scale_local_gradients: bool = True):
+    """:func:`DistributedOptimizer` whose ``local_layers`` (a Keras 2 layer or a list of
+    them) keep their trainable weights' gradients on each rank."""
+    layers = _flavour.local_layers(local_layers, keras)
+    wrapped = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step,
+        average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
+    for layer in layers:
+        for var in layer.trainable_weights:
+            wrapped.register_local_var(var)
+    return wrapped

@@ -1,0 +1,90 @@
+"""The actor class every Ray worker runs (Horovod 0.28.1's ``BaseHorovodWorker`` API)."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any, Dict, List, Optional
+
+import cloudpickle
+import ray
+
+
+class BaseHorovodWorker:
+    """One rank of a :class:`~aiak_training.ray.RayExecutor` job, living in a Ray actor.
+
+    ``executable`` is the object built by ``start(executable_cls=...)`` (None without one);
+    ``execute(fn)`` calls ``fn(executable)`` in this process.  The rank's Horovod environment
+    is set by the driver before any user code runs here.
+    """
+
+    executable: Any = None
+
+    def __init__(self, world_rank: int = 0, world_size: int = 1):
+        self._rank = world_rank
+        os.environ["HOROVOD_RANK"] = str(world_rank)
+        os.environ["HOROVOD_SIZE"] = str(world_size)
+
+    # ---- Horovod's worker API -----------------------------------------------------------
+    def hostname(self) -> str:
+        return socket.gethostname()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def get_gpu_ids(self) -> List[int]:
+        """The CUDA devices Ray gave this worker."""
+        return list(ray.get_gpu_ids())
+
+    def update_env_vars(self, env_vars: Dict[str, Any]) -> None:
+        os.environ.update({str(k): str(v) for k, v in env_vars.items()})
+
+    def env_vars(self) -> Dict[str, str]:
+        return dict(os.environ)
+
+    def start_executable(self, executable_cls: Optional[type] = None,
+                         executable_args: Optional[list] = None,
+                         executable_kwargs: Optional[dict] = None) -> None:
+        if executable_cls is not None:
+            self.executable = executable_cls(*(executable_args or []), **(executable_kwargs or {}))
+
+    def execute(self, func):
+        """``func(executable)`` here; an exception carries a note naming this rank."""
+        try:
+            return func(self.executable)
+        except BaseException as exc:
+            self._note(exc)
+            raise
+
+    # ---- used by the executor -------------------------------------------------------------
+    def _aiak_identity(self) -> Dict[str, Any]:
+        return dict(node_id=self.node_id(), hostname=self.hostname(), pid=os.getpid(),
+                    gpu_ids=self.get_gpu_ids())
+
+    def _aiak_set_rank(self, rank: int, env: Dict[str, str]) -> None:
+        self._rank = rank
+        self.update_env_vars(env)
+        # aiak_training decides at import whether mpi4py may initialize MPI, and this actor
+        # imported it before its environment said "Gloo"; a Gloo rank must never start MPI.
+        if "mpi4py.MPI" not in sys.modules:
+            import mpi4py
+            mpi4py.rc.initialize = False
+            mpi4py.rc.finalize = False
+
+    def _aiak_start_executable(self, payload: bytes) -> None:
+        try:
+            self.start_executable(*cloudpickle.loads(payload))
+        except BaseException as exc:
+            self._note(exc)
+            raise
+
+    def _aiak_execute(self, payload: bytes):
+        """Run a pickled ``fn(executable)`` (pickled on the driver, where errors are clearer)."""
+        return self.execute(cloudpickle.loads(payload))
+
+    def _note(self, exc: BaseException) -> None:
+        # The note travels inside Ray's error text (the remote traceback), so the driver's
+        # exception names the rank without changing the user's exception type.
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"aiak_training.ray: raised on rank {self._rank} "
+                         f"(host {self.hostname()}, pid {os.getpid()})")

@@ -1,0 +1,2 @@
+"""The elastic driver behind ``aiakrun --host-discovery-script`` / ``--min-np`` (Horovod's
+elastic mode, on the Gloo transport)."""

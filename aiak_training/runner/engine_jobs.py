@@ -1,0 +1,114 @@
+"""What the Ray and Spark front ends share: rank layout, worker environment, pickling checks.
+
+Both engines place the workers themselves, so the launcher's job shrinks to three things done
+here: give ranks of one host contiguous numbers (the Gloo transport requires it and hierarchical
+allreduce relies on it), compute each rank's Horovod environment from where the workers landed,
+and start the rendezvous store that the ranks meet at.  Workers of these engines cannot form
+an MPI world (no mpirun started them), so they always use the Gloo mode.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import cloudpickle
+
+
+def contiguous_order(host_keys: Sequence[str]) -> List[int]:
+    """Worker indices reordered so that workers on one host are adjacent.
+
+    Hosts keep the order of their first appearance and workers keep their order within a
+    host, so an already grouped placement is returned unchanged.  Position ``r`` of the
+    result is the worker that becomes rank ``r``.
+    """
+    groups: Dict[str, List[int]] = {}
+    for index, key in enumerate(host_keys):
+        groups.setdefault(key, []).append(index)
+    return list(itertools.chain.from_iterable(groups.values()))
+
+
+def topology(hosts_by_rank: Sequence[str]) -> List[Dict[str, int]]:
+    """Horovod's local/cross numbering for ranks whose hosts are given in rank order.
+
+    The hosts must already be contiguous (see :func:`contiguous_order`).  ``cross_rank`` is the
+    index of this rank's host among the hosts that have a rank with the same ``local_rank``,
+    and ``cross_size`` is how many such hosts there are, as in Horovod.
+    """
+    seen: List[str] = []
+    for host in hosts_by_rank:
+        if not seen or seen[-1] != host:
+            if host in seen:
+                raise ValueError(f"ranks of host {host!r} are not contiguous: {list(hosts_by_rank)}")
+            seen.append(host)
+    sizes = {h: sum(1 for x in hosts_by_rank if x == h) for h in seen}
+    out: List[Dict[str, int]] = []
+    counters: Dict[str, int] = {}
+    for host in hosts_by_rank:
+        local_rank = counters.get(host, 0)
+        counters[host] = local_rank + 1
+        hosts_with_slot = [h for h in seen if sizes[h] > local_rank]
+        out.append(dict(local_rank=local_rank, local_size=sizes[host],
+                        cross_rank=hosts_with_slot.index(host), cross_size=len(hosts_with_slot)))
+    return out
+
+
+def rank_envs(hosts_by_rank: Sequence[str], addr: str, port: int, prefix: str = "",
+              timeout_s: Optional[float] = None, nics: Optional[Sequence[str]] = None,
+              extra: Optional[Dict[str, Any]] = None) -> List[Dict[str, str]]:
+    """The environment of every rank: Horovod's identity variables and the Gloo rendezvous.
+
+    ``extra`` (the user's variables) is applied last, so it may override anything.  Leave
+    ``prefix`` empty when the store serves only this job: the ranks then key each world
+    they form (every ``hvd.init()`` after a ``shutdown()``) by its sequence number, which a
+    fixed prefix would not do.
+    """
+    common = {
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_SIZE": str(len(hosts_by_rank)),
+    }
+    if prefix:
+        common["AIAK_GLOO_STORE_PREFIX"] = prefix
+    if timeout_s is not None:
+        common["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(1, timeout_s)))
+    if nics:
+        # As Horovod: Gloo binds the first interface; NCCL may use all of them.
+        common["HOROVOD_GLOO_IFACE"] = list(nics)[0]
+        common["NCCL_SOCKET_IFNAME"] = ",".join(nics)
+    envs = []
+    for rank, (host, topo) in enumerate(zip(hosts_by_rank, topology(hosts_by_rank))):
+        env = dict(common)
+        env.update(HOROVOD_RANK=str(rank), HOROVOD_HOSTNAME=host,
+                   HOROVOD_LOCAL_RANK=str(topo["local_rank"]),
+                   HOROVOD_LOCAL_SIZE=str(topo["local_size"]),
+                   HOROVOD_CROSS_RANK=str(topo["cross_rank"]),
+                   HOROVOD_CROSS_SIZE=str(topo["cross_size"]))
+        env.update({k: str(v) for k, v in (extra or {}).items()})
+        envs.append(env)
+    return envs
+
+
+def pickled(obj: Any, what: str, name: Optional[str] = None) -> bytes:
+    """``obj`` serialised with cloudpickle, or a TypeError naming ``what`` and the reason.
+
+    Called on the driver before anything is sent to a worker, so a closure over a lock or a
+    socket fails at once instead of inside every worker.
+    """
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception as exc:  # cloudpickle raises TypeError, PicklingError, RecursionError...
+        name = name or getattr(obj, "__qualname__", None) or type(obj).__name__
+        raise TypeError(f"{what} {name!r} cannot be pickled, so it cannot be sent to the "
+                        f"workers: {type(exc).__name__}: {exc}") from exc
+
+
+def start_store(host: str = "0.0.0.0") -> Tuple[object, int]:
+    """Start the Gloo rendezvous store (a TCPStore server) here; returns (server, port).
+
+    Keep the server object alive as long as the job runs.
+    """
+    from aiak_training.runtime.transport.gloo import start_rendezvous_server
+    return start_rendezvous_server(host, 0)
+

@@ -1,0 +1,123 @@
+"""Say what is on: one line from rank 0 when the runtime starts.
+
+Switches such as ``aiakrun --overlap-update`` or ``--fused-optimizer`` act far from where
+they are set (in the optimizer wrapper, at its first step), so a job gave no sign that they
+took effect.  At ``hvd.init()`` rank 0 therefore states, in one line: the engine, the
+transport (and the MPI library), the allreduce algorithm of the global set and why it was
+chosen, and every acceleration switched on by the environment.  Per-optimizer choices
+(compression, DGC) follow in one line when a ``DistributedOptimizer`` is made
+(:func:`announce`, used by the torch frontend).
+
+Under aiakrun (``$AIAK_FAILURE_DIR`` set) the line is always shown; elsewhere it is logged
+at INFO (``HOROVOD_LOG_LEVEL=info``), so that programs run by hand stay as quiet as Horovod's.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import List, Optional
+
+from aiak_training.allreduce import resolve_algorithm
+from aiak_training.common.env import env_bool
+
+log = logging.getLogger("aiak_training")
+_UNDER_AIAKRUN_ENV = "AIAK_FAILURE_DIR"  # set by aiakrun for every rank (runner/failure.py)
+
+# Environment switches that turn an acceleration on, with how the line names them.
+_SWITCHES = (("AIAK_OVERLAP_UPDATE", "overlap update"),
+             ("AIAK_FUSED_OPTIMIZER", "fused optimizer"))
+
+
+def _mpi_library() -> str:
+    try:
+        from mpi4py import MPI
+        words = [w for w in MPI.Get_library_version().strip().splitlines()[0].split()
+                 if w != "Version:"]
+        return " ".join(words[:3]).rstrip(",")
+    except Exception:  # noqa: BLE001 - only a description
+        return "MPI"
+
+
+def accelerations(environ=None) -> List[str]:
+    """Names of the accelerations the environment switches on."""
+    env = os.environ if environ is None else environ
+    out = []
+    for var, name in _SWITCHES:
+        try:
+            if env_bool(var, environ=env):
+                out.append(f"{name} ({var})")
+        except ValueError:
+            continue  # the frontend reports a malformed value itself
+    return out
+
+
+def describe(engine) -> str:
+    """The start-up line for a running engine (see the module docstring)."""
+    parts = [f"engine {getattr(engine, 'kind', type(engine).__name__)}"]
+    topology = engine.topology
+    transport = getattr(getattr(topology, "comm", None), "transport", "mpi")
+    if transport == "gloo":
+        parts.append("transport Gloo")
+    else:
+        parts.append(f"transport MPI ({_mpi_library()})")
+    parts.append(f"GPU collectives {engine.config.gpu_transport}")
+    try:
+        name, why = resolve_algorithm(engine.config, topology, is_global=True)
+        state = getattr(engine, "_sets", {}).get(0)
+        actual = getattr(getattr(state, "algorithm", None), "name", None) or name
+        parts.append(f"allreduce {actual} ({why}; {topology.num_nodes} node(s), "
+                     f"{topology.size} rank(s))")
+    except Exception as exc:  # noqa: BLE001 - a description must not stop the job
+        parts.append(f"allreduce ? ({exc})")
+    on = accelerations()
+    parts.append("accelerations: " + (", ".join(on) if on else "none switched on by the "
+                                      "environment"))
+    return "; ".join(parts)
+
+
+def announce(text: str) -> None:
+    """Show ``text`` as described in the module docstring."""
+    if os.environ.get(_UNDER_AIAKRUN_ENV) and not log.isEnabledFor(logging.INFO):
+        try:
+            sys.stderr.write(f"[aiak_training INFO] {text}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+    else:
+        log.info("%s", text)
+
+
+def announce_start(engine) -> None:
+    """Rank 0's start-up line (called by ``hvd.init()``)."""
+    topology = getattr(engine, "topology", None)
+    if topology is None or topology.rank != 0:
+        return
+    try:
+        text = describe(engine)
+    except Exception as exc:  # noqa: BLE001 - a description must not stop the job
+        text = f"started (no description: {exc})"
+    announce(text)
+
+
+def optimizer_line(optimizer: object, compression: object, overlap: Optional[bool]) -> str:
+    """``DistributedOptimizer(FusedAdam): compression fp16, overlap update on``."""
+    comp = getattr(compression, "__name__", None) or type(compression).__name__
+    comp = {"NoneCompressor": "none", "FP16Compressor": "fp16"}.get(comp, comp)
+    name = type(optimizer).__name__
+    fused = name.startswith("Fused") or "fused" in type(optimizer).__module__
+    bits = [f"compression {comp}",
+            f"overlap update {'on' if overlap else 'off'}",
+            f"fused optimizer {'on' if fused else 'off'}"]
+    return f"DistributedOptimizer({name}): " + ", ".join(bits)
+
+
+def announce_optimizer(optimizer: object, compression: object, overlap: Optional[bool]) -> None:
+    """Rank 0's line for a new ``DistributedOptimizer`` (see :func:`optimizer_line`)."""
+    try:
+        from aiak_training.runtime import current
+        if current.topology().rank != 0:
+            return
+        announce(optimizer_line(optimizer, compression, overlap))
+    except Exception:  # noqa: BLE001 - a description must not stop the job
+        return

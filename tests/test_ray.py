@@ -1,0 +1,219 @@
+"""aiak_training.ray on a real local Ray cluster of two simulated nodes (no mocks).
+
+One cluster (``ray.cluster_utils.Cluster``: a head and a second node, 3 CPUs each) and one
+4-worker executor (2 nodes x 2 workers) serve the whole module, because Ray start-up is slow
+on small machines.  Skipped when the ``ray`` extra is not installed.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed "
+                                        "(pip install -e '.[ray]')")
+import cloudpickle  # noqa: E402
+import psutil  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from aiak_training.ray import RayExecutor, RayWorkerError  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARALLEL = os.path.join(REPO, "tests", "parallel")
+sys.path.insert(0, os.path.join(REPO, "examples"))
+import digits_train  # noqa: E402
+
+# The actors cannot import this file or examples/: ship their code by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(digits_train)
+
+# The op/dtype matrix of tests/parallel/test_torch_ops.py that runs on the Ray workers.
+OPS_SELECTION = ("rank_and_size or local_and_cross or every_dtype_and_op or prescale_postscale "
+                 "or grouped_allreduce or allgather_variable or broadcast_from_every_root "
+                 "or alltoall or reducescatter_uneven")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=3, include_dashboard=False))
+    c.add_node(num_cpus=3)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def executor(cluster):
+    settings = RayExecutor.create_settings(timeout_s=30)
+    ex = RayExecutor(settings, num_workers=4, num_hosts=2)
+    ex.start(extra_env_vars={"AIAK_TEST_LAYOUT": "2,2"})
+    yield ex
+    ex.shutdown()
+
+
+def _layout():
+    import ray as ray_
+    import aiak_training.torch as hvd
+    hvd.init()
+    out = dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
+               local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
+               cross_size=hvd.cross_size(), gloo=hvd.gloo_enabled(),
+               node=ray_.get_runtime_context().get_node_id(), pid=os.getpid())
+    hvd.shutdown()
+    return out
+
+
+def test_topology_is_two_nodes_of_two_local_ranks(executor, cluster):
+    layout = executor.run(_layout)
+    assert [r["rank"] for r in layout] == [0, 1, 2, 3]
+    assert all(r["size"] == 4 and r["gloo"] for r in layout)
+    nodes = [r["node"] for r in layout]
+    # Ranks 0,1 share one node and 2,3 the other: taken from where Ray put the actors.
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
+    assert set(nodes) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    assert [(r["local_rank"], r["local_size"]) for r in layout] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [(r["cross_rank"], r["cross_size"]) for r in layout] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def _run_ops_tests(selection):
+    import contextlib
+    import io
+    import pytest as pytest_
+
+    class Outcomes:
+        def __init__(self):
+            self.counts = {}
+
+        def pytest_runtest_logreport(self, report):
+            if report.when == "call" or report.outcome != "passed":
+                self.counts[report.outcome] = self.counts.get(report.outcome, 0) + 1
+
+    outcomes, out = Outcomes(), io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pytest_.main(["-q", "-p", "no:cacheprovider", "--rootdir", PARALLEL,
+                             os.path.join(PARALLEL, "test_torch_ops.py"), "-k", selection],
+                            plugins=[outcomes])
+    text = out.getvalue()
+    return int(code), outcomes.counts, text[text.find("= FAILURES ="):][:6000]
+
+
+def test_op_dtype_matrix_exact_on_ray_workers(executor):
+    """tests/parallel/test_torch_ops.py's exact checks (every dtype and op of allreduce,
+    allgather, broadcast, alltoall, reducescatter, plus the 2x2 topology) on the 4 actors."""
+    results = executor.run(_run_ops_tests, args=[OPS_SELECTION])
+    for rank, (code, counts, failures) in enumerate(results):
+        assert code == 0 and set(counts) == {"passed"}, f"rank {rank}: {counts}\n{failures}"
+    # Every rank ran the same tests; the matrix is large (>100 parametrized cases).
+    assert len({tuple(sorted(c.items())) for _, c, _ in results}) == 1
+    assert results[0][1]["passed"] > 100
+
+
+def test_worker_exception_reaches_driver_with_rank_and_traceback(executor):
+    def fails_on_rank_2(value):
+        if os.environ["HOROVOD_RANK"] == "2":
+            raise ValueError(f"bad value {value}")
+        return value
+
+    with pytest.raises(ValueError) as info:
+        executor.run(fails_on_rank_2, args=[7])
+    text = str(info.value)
+    assert "bad value 7" in text and "raised on rank 2" in text
+    assert "fails_on_rank_2" in text  # the worker's traceback
+    # The executor still works afterwards.
+    assert executor.run(lambda: int(os.environ["HOROVOD_RANK"])) == [0, 1, 2, 3]
+    assert executor.execute_single(lambda _executable: os.environ["HOROVOD_RANK"]) == "0"
+
+
+def test_unpicklable_function_is_named_before_any_worker_runs(executor, cluster):
+    lock = threading.Lock()
+
+    def holds_a_lock():
+        return lock.locked()
+
+    with pytest.raises(TypeError, match="function 'test_unpicklable.*holds_a_lock' cannot be "
+                                        "pickled.*lock"):
+        executor.run(holds_a_lock)
+    # start(): the check comes before the placement group or any actor exists.
+    fresh = RayExecutor(RayExecutor.create_settings(timeout_s=10), num_workers=1)
+    groups_before = len(ray.util.placement_group_table())
+    with pytest.raises(TypeError, match="executable_kwargs.*cannot be pickled"):
+        fresh.start(executable_cls=dict, executable_kwargs={"lock": lock})
+    assert fresh.workers == []
+    assert len(ray.util.placement_group_table()) == groups_before  # nothing was placed
+
+
+def test_more_workers_than_the_cluster_has(cluster):
+    settings = RayExecutor.create_settings(timeout_s=10, placement_group_timeout_s=2)
+    with pytest.raises(TimeoutError, match=r"3 distinct node\(s\).*within "
+                                           r"placement_group_timeout_s=2 s.*2 alive node\(s\)"):
+        RayExecutor(settings, num_hosts=3).start()
+    with pytest.raises(TimeoutError, match=r"room for 9 worker\(s\).*CPU=6"):
+        RayExecutor(settings, num_workers=9).start()
+
+
+def test_elastic_arguments_raise_clear_errors():
+    settings = RayExecutor.create_settings()
+    with pytest.raises(NotImplementedError, match="elastic"):
+        RayExecutor(settings, min_workers=1, max_workers=4)
+    with pytest.raises(ValueError, match="min_workers"):
+        RayExecutor(settings, max_workers=4)
+    with pytest.raises(ValueError, match="num_workers must be num_hosts x"):
+        RayExecutor(settings, num_workers=3, num_hosts=2)
+
+
+def _kill_rank_1_mid_collective():
+    import torch
+    import aiak_training.torch as hvd
+    hvd.init()
+    hvd.allreduce(torch.ones(4), name="warmup")
+    if hvd.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    for step in range(100):  # rank 0 is blocked in here when rank 1 dies
+        hvd.allreduce(torch.ones(4), name=f"step{step}")
+    return "not reached"
+
+
+def test_killed_actor_is_an_error_naming_the_rank_and_shutdown_cleans_up(cluster):
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=10), num_workers=2)
+    ex.start()
+    try:
+        pids = ex.run(os.getpid)
+        start = time.monotonic()
+        with pytest.raises(RayWorkerError, match=r"rank 1 \(host .*\) died during run") as info:
+            ex.run(_kill_rank_1_mid_collective)
+        assert info.value.rank == 1
+        assert time.monotonic() - start < 10  # within the collective timeout
+    finally:
+        ex.shutdown()
+    assert ex.workers == []
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(p) for p in pids), "a worker process outlived shutdown()"
+
+
+def test_digits_training_reaches_the_aiakrun_accuracy(cluster):
+    epochs = 3
+    proc = subprocess.run(["aiakrun", "-np", "2", sys.executable,
+                           os.path.join(REPO, "examples", "pytorch_digits.py"),
+                           "--epochs", str(epochs)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    correct, total = map(int, re.search(r"test accuracy: [\d.]+% \((\d+)/(\d+)\)",
+                                        proc.stdout).groups())
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    ex.start()
+    try:
+        results = ex.run(digits_train.train, kwargs=dict(epochs=epochs, verbose=False))
+    finally:
+        ex.shutdown()
+    assert [r["rank"] for r in results] == [0, 1] and all(r["gloo"] for r in results)
+    # Same seeds, shards and steps; a 2-rank sum is order-free: the same model, exactly.
+    assert [(r["correct"], r["total"]) for r in results] == [(correct, total)] * 2
+    assert correct / total > 0.8
