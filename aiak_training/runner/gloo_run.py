@@ -97,9 +97,9 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str],
     """The Gloo launcher's plan (JSON-able) and aiakrun's environment for it."""
     from aiak_training.common.env import env_bool
     from aiak_training.runner.args import network_interfaces
-    from aiak_training.runner.launch import (CLUSTER_IFACE_ENV, CLUSTER_LAUNCHER_ENV,
-                                             VIRTUAL_HOSTS_ENV, rank_command, rank_vars,
-                                             resolve_hosts)
+    from aiak_training.runner.rank_setup import (CLUSTER_IFACE_ENV, CLUSTER_LAUNCHER_ENV,
+                                                 VIRTUAL_HOSTS_ENV, rank_command, rank_vars,
+                                                 resolve_hosts)
     virtual = args.virtual_hosts or env_bool(VIRTUAL_HOSTS_ENV, environ=environ)
     cluster_exec = environ.get(CLUSTER_LAUNCHER_ENV) or None
     if virtual:

@@ -16,52 +16,20 @@ import tempfile
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from aiak_training.common.env import env_bool
-from aiak_training.compat import (COMPAT_ENV, RealHorovodError, compat_pythonpath,
-                                  compat_requested)
 from aiak_training.runner.args import (ignored_flags, network_interfaces, parse_args,
                                        unsupported_flags)
-from aiak_training.runner.env_map import (exportable_names, flag_env, launcher_env,
-                                          parse_env_assignments)
+from aiak_training.runner.env_map import exportable_names, launcher_env
 from aiak_training.runner.failure import FAILURE_DIR_ENV
-from aiak_training.runner.hosts import (HostSlots, assign_slots, is_local_host, parse_hostfile,
-                                        parse_hosts, used_hosts)
+from aiak_training.runner.hosts import assign_slots, is_local_host, used_hosts
+from aiak_training.runner.launch_guard import finish_result, start_guards
 from aiak_training.runner.mpi_flavour import Flavour, MpiLauncher, MpiNotFoundError, detect_launcher
 from aiak_training.runner.mpi_run import LaunchSpec, build_mpi_command
-from aiak_training.runner.launch_guard import finish_result, start_guards
+# UsageError is part of this module's interface (what run() reports as a usage problem).
+from aiak_training.runner.rank_setup import (CLUSTER_IFACE_ENV, CLUSTER_LAUNCHER_ENV,  # noqa: F401
+                                             VIRTUAL_HOSTS_ENV, UsageError, _warn, rank_command,
+                                             rank_vars, resolve_hosts)
 from aiak_training.runner.supervise import report, run_job
 from aiak_training.runner.task_wrapper import OUTPUT_DIR_ENV
-
-WRAPPER_MODULE = "aiak_training.runner.task_wrapper"
-VIRTUAL_HOSTS_ENV = "AIAK_VIRTUAL_HOSTS"
-CLUSTER_LAUNCHER_ENV = "AIAK_CLUSTER_LAUNCHER_EXEC"
-CLUSTER_IFACE_ENV = "AIAK_CLUSTER_IFACE"
-CLUSTER_HOSTS_ENV = "AIAK_CLUSTER_HOSTS"
-
-
-class UsageError(ValueError):
-    """A problem with the command line or its inputs (exit status 2)."""
-
-
-def _warn(message: str) -> None:
-    print(f"aiakrun: warning: {message}", file=sys.stderr)
-
-
-def resolve_hosts(args: argparse.Namespace, environ: Mapping[str, str],
-                  cluster_hook: bool) -> List[HostSlots]:
-    """-H, else --hostfile, else $AIAK_CLUSTER_HOSTS (emulated cluster), else localhost:NP."""
-    if args.hosts:
-        return parse_hosts(args.hosts)
-    if args.hostfile:
-        return parse_hostfile(args.hostfile)
-    if cluster_hook and environ.get(CLUSTER_HOSTS_ENV):
-        return parse_hosts(environ[CLUSTER_HOSTS_ENV])
-    return [HostSlots("localhost", args.num_proc)]
-
-
-def rank_command(command: Sequence[str], python: str = sys.executable) -> List[str]:
-    """What MPI starts on each rank: the user's command behind the task wrapper."""
-    return [python, "-m", WRAPPER_MODULE, "--", *command]
-
 
 def _ssh_agent(run_dir: str, port: Optional[int], identity: Optional[str]) -> str:
     """Script hydra can use as ``-launcher-exec`` to pass ssh options it has no flag for."""
@@ -75,27 +43,6 @@ def _ssh_agent(run_dir: str, port: Optional[int], identity: Optional[str]) -> st
         f.write(f"#!/bin/sh\nexec ssh {shlex.join(opts)} \"$@\"\n")
     os.chmod(path, stat.S_IRWXU)
     return path
-
-
-def rank_vars(args: argparse.Namespace, environ: Mapping[str, str],
-              virtual: bool) -> Dict[str, str]:
-    """Variables aiakrun sets for the ranks: tunable flags, ``-x``, the compat PYTHONPATH."""
-    set_vars: Dict[str, str] = flag_env(args, environ)
-    x_vars, missing = parse_env_assignments(args.env_vars, environ)
-    for name in missing:
-        _warn(f"-x {name}: {name} is not set here; not passed")
-    if virtual and "HOROVOD_HOSTNAME" in x_vars:
-        raise UsageError("-x HOROVOD_HOSTNAME conflicts with --virtual-hosts, which sets it "
-                         "per rank")
-    set_vars.update(x_vars)
-    if compat_requested(args.horovod_compat, dict(environ)):
-        try:
-            set_vars["PYTHONPATH"] = compat_pythonpath(set_vars.get("PYTHONPATH",
-                                                                    environ.get("PYTHONPATH")))
-        except RealHorovodError as exc:
-            raise UsageError(f"--horovod-compat: {exc}") from exc
-        set_vars[COMPAT_ENV] = "1"
-    return set_vars
 
 
 def prepare(args: argparse.Namespace, environ: Mapping[str, str], launcher: MpiLauncher,
@@ -198,7 +145,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     from aiak_training.runner.elastic.launch import elastic_requested, run_elastic
     if elastic_requested(args):  # --host-discovery-script / --min-np (runner/elastic/)
-        return run_elastic(args, os.environ, sys.modules[__name__])
+        return run_elastic(args, os.environ)
     if args.num_proc is None:
         print("aiakrun: error: -np/--num-proc is required", file=sys.stderr)
         return 2
@@ -211,6 +158,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         try:
             launcher = detect_launcher(os.environ)
             spec, env = prepare(args, os.environ, launcher, run_dir)
+            build_mpi_command(spec)  # refuses a bad layout before a port is opened
             # Liveness port and output reader (runner/launch_guard.py).
             spec, liveness, output = start_guards(spec, env, verbose=bool(args.verbose))
             cmd = build_mpi_command(spec)

@@ -86,25 +86,25 @@ def _fixed_hosts(args: argparse.Namespace, environ: Mapping[str, str], cluster: 
     return {h.name: h.slots for h in resolve_hosts(args, environ, cluster)}
 
 
-def run_elastic(args: argparse.Namespace, environ: Mapping[str, str], aiakrun) -> int:
-    """aiakrun's elastic mode; returns the exit status.  ``aiakrun`` is the module
-    :mod:`aiak_training.runner.launch` (passed in, not imported: it imports this one), whose
-    host resolution, rank environment and rank command are reused."""
+def run_elastic(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    """aiakrun's elastic mode; returns the exit status.  Hosts, the rank environment and the
+    rank command come from :mod:`aiak_training.runner.rank_setup`, as in the other modes."""
     from aiak_training.common.env import env_bool
+    from aiak_training.runner import rank_setup
     from aiak_training.runner.args import network_interfaces
     from aiak_training.runner.env_map import launcher_env
     from aiak_training.runner.failure import FAILURE_DIR_ENV
     from aiak_training.runner.gloo_run import rendezvous_address
     from aiak_training.runner.hosts import HostSlots
-    UsageError, rank_vars = aiakrun.UsageError, aiakrun.rank_vars
+    UsageError, rank_vars = rank_setup.UsageError, rank_setup.rank_vars
     from aiak_training.runner.task_wrapper import OUTPUT_DIR_ENV
     if not args.command:
         print("aiakrun: error: no command given", file=sys.stderr)
         return 2
     try:
         settings = settings_from_args(args, environ)
-        virtual = args.virtual_hosts or env_bool(aiakrun.VIRTUAL_HOSTS_ENV, environ=environ)
-        cluster_exec = None if virtual else (environ.get(aiakrun.CLUSTER_LAUNCHER_ENV) or None)
+        virtual = args.virtual_hosts or env_bool(rank_setup.VIRTUAL_HOSTS_ENV, environ=environ)
+        cluster_exec = None if virtual else (environ.get(rank_setup.CLUSTER_LAUNCHER_ENV) or None)
         script = args.elastic_host_discovery_script
         if script:
             discovery = HostDiscoveryScript(script, _number(
@@ -117,14 +117,14 @@ def run_elastic(args: argparse.Namespace, environ: Mapping[str, str], aiakrun) -
                 print(f"aiakrun: warning: {exc}", file=sys.stderr)
                 first = {}
         else:
-            first = _fixed_hosts(args, environ, bool(cluster_exec), aiakrun.resolve_hosts)
+            first = _fixed_hosts(args, environ, bool(cluster_exec), rank_setup.resolve_hosts)
             fixed = dict(first)
 
             def discover() -> Dict[str, int]:
                 return dict(fixed)
         set_vars = rank_vars(args, environ, virtual)
         nics = network_interfaces(args)
-        iface = nics[0] if nics else (environ.get(aiakrun.CLUSTER_IFACE_ENV) if cluster_exec
+        iface = nics[0] if nics else (environ.get(rank_setup.CLUSTER_IFACE_ENV) if cluster_exec
                                       else None)
         hosts = [HostSlots(h, n) for h, n in first.items()]
         addr = "127.0.0.1" if virtual or not hosts else rendezvous_address(hosts, iface)
@@ -162,7 +162,7 @@ def run_elastic(args: argparse.Namespace, environ: Mapping[str, str], aiakrun) -
                              or ("lo" if local and virtual else (iface or ""))})
             if not rank_env["HOROVOD_GLOO_IFACE"]:
                 del rank_env["HOROVOD_GLOO_IFACE"]
-            argv = worker_argv(aiakrun.rank_command(args.command), host, rank_env, env, local,
+            argv = worker_argv(rank_setup.rank_command(args.command), host, rank_env, env, local,
                                remote_exec)
             if args.verbose:
                 print(f"aiakrun: elastic: starting {wid} on {host}: {' '.join(argv)}",
