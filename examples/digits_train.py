@@ -11,7 +11,7 @@ seeds, shards, model, optimizer and steps), so every launcher reaches the same a
 import argparse
 import json
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 
 def train(epochs: int = 15, batch_size: int = 32, lr: float = 0.05, momentum: float = 0.9,
@@ -79,6 +79,14 @@ def train(epochs: int = 15, batch_size: int = 32, lr: float = 0.05, momentum: fl
         print(f"test accuracy: {100.0 * correct / len(y_test):.2f}% ({correct}/{len(y_test)})",
               flush=True)
     return result
+
+
+def summary(results: List[Dict[str, Any]], workers: str) -> str:
+    """The line a launcher example prints for ``train``'s results (one per rank; they agree):
+    how many ``workers`` trained and the accuracy they reached."""
+    first = results[0]
+    return (f"{first['size']} {workers}, test accuracy: {100.0 * first['accuracy']:.2f}% "
+            f"({first['correct']}/{first['total']})")
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ A Horovod Keras script, unchanged except for the import line (``import horovod.k
 hvd`` / ``horovod.tensorflow.keras`` also run as they are with ``aiakrun --horovod-compat``).
 The data, split and model are those of examples/pytorch_digits.py.
 """
-import argparse
 import os
 import random
 
@@ -16,21 +15,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chat
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 
 import aiak_training.keras as hvd  # noqa: E402
+import digits_data  # noqa: E402  (beside this file: options, data split and report)
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p = digits_data.parser(__doc__)
     p.add_argument("--warmup-epochs", type=int, default=2)
-    p.add_argument("--seed", type=int, default=42)
     p.add_argument("--fp16-allreduce", action="store_true", help="fp16 compression")
     return p.parse_args()
 
@@ -48,11 +40,7 @@ def main():
     hvd.init()
     seed_everything(args.seed + hvd.rank())  # each rank shuffles differently
 
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25,
-                                                        random_state=args.seed, stratify=y)
+    x_train, x_test, y_train, y_test = digits_data.split(args.seed)
     # Each rank trains on its own shard, cut to a whole number of batches that is the same
     # on every rank (all ranks must run the same number of steps).
     steps = len(x_train) // hvd.size() // args.batch_size
@@ -93,10 +81,7 @@ def main():
     correct = int((predictions == y_test).sum())
     # Every rank evaluated the same test set; they agree when the weights are in sync.
     counts = keras.ops.convert_to_numpy(hvd.allgather(np.array([correct]))).tolist()
-    assert len(set(counts)) == 1, f"ranks disagree: {counts}"
-    if hvd.rank() == 0:
-        print(f"test accuracy: {100.0 * correct / len(y_test):.2f}% "
-              f"({correct}/{len(y_test)})", flush=True)
+    digits_data.report(counts, len(y_test), hvd.rank())
 
 
 if __name__ == "__main__":

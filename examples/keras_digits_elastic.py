@@ -11,7 +11,6 @@ counters; the callbacks commit every ``--batches-per-commit`` batches and keep t
 counters current, and ``fit`` resumes at ``state.epoch`` after a reset.  Runs on the
 TensorFlow or the torch Keras backend.
 """
-import argparse
 import os
 import random
 import time
@@ -20,26 +19,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 
 import aiak_training.keras as hvd  # noqa: E402
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--batches-per-commit", type=int, default=4)
-    p.add_argument("--step-sleep", type=float, default=0.0,
-                   help="pause after each batch (to watch elastic events in a demo)")
-    p.add_argument("--progress-file", default=os.environ.get("DIGITS_PROGRESS"),
-                   help="rank 0 writes 'epoch batch size' here after each commit")
-    return p.parse_args()
+import digits_data  # noqa: E402  (beside this file: the shared options and data split)
 
 
 class _Pause(keras.callbacks.Callback):
@@ -58,24 +40,18 @@ class _Progress(keras.callbacks.Callback):
 
     def on_batch_end(self, batch, logs=None):
         if (batch + 1) % self.every == 0 and hvd.rank() == 0:
-            with open(self.path + ".tmp", "w") as f:
-                f.write(f"{self.state.epoch} {batch} {hvd.size()}\n")
-            os.replace(self.path + ".tmp", self.path)
+            digits_data.write_progress(self.path, self.state.epoch, batch, hvd.size())
 
 
 def main():
-    args = parse_args()
+    args = digits_data.elastic_args(__doc__)
     hvd.init()
     random.seed(args.seed)
     np.random.seed(args.seed)
     if keras.backend.backend() == "tensorflow":
         keras.utils.set_random_seed(args.seed)
 
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25,
-                                                        random_state=args.seed, stratify=y)
+    x_train, x_test, y_train, y_test = digits_data.split(args.seed)
     model = keras.Sequential([keras.Input((64,)),
                               keras.layers.Dense(128, activation="relu"),
                               keras.layers.Dense(64, activation="relu"),
@@ -117,10 +93,7 @@ def main():
     predictions = np.argmax(keras.ops.convert_to_numpy(model.predict(x_test, verbose=0)), 1)
     correct = int((predictions == y_test).sum())
     counts = keras.ops.convert_to_numpy(hvd.allgather(np.array([correct]))).tolist()
-    assert len(set(counts)) == 1, f"ranks disagree: {counts}"
-    if hvd.rank() == 0:
-        print(f"test accuracy: {100.0 * correct / len(y_test):.2f}% "
-              f"({correct}/{len(y_test)}) on {hvd.size()} rank(s)", flush=True)
+    digits_data.report(counts, len(y_test), hvd.rank(), f" on {hvd.size()} rank(s)")
 
 
 if __name__ == "__main__":

@@ -5,26 +5,17 @@ A Horovod script, unchanged except for the import line:
     aiakrun -np 2 python examples/pytorch_digits.py
     mpiexec -n 2 python examples/pytorch_digits.py
 """
-import argparse
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import aiak_training.torch as hvd
+import digits_data  # beside this file: the options, data split and report of all examples
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=42)
+    p = digits_data.parser(__doc__)
     p.add_argument("--fp16-allreduce", action="store_true", help="fp16 compression")
     p.add_argument("--use-adasum", action="store_true",
                    help="combine the ranks' updates with Adasum instead of averaging (the "
@@ -44,11 +35,7 @@ def main():
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # several ranks share this machine's cores
 
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25,
-                                                        random_state=args.seed, stratify=y)
+    x_train, x_test, y_train, y_test = digits_data.split(args.seed)
     # Each rank trains on its own shard.
     x_train = torch.from_numpy(x_train[hvd.rank()::hvd.size()]).to(device)
     y_train = torch.from_numpy(y_train[hvd.rank()::hvd.size()]).to(device)
@@ -97,11 +84,7 @@ def main():
     with torch.no_grad():
         correct = (model(x_test).argmax(1) == y_test).sum()
     # Every rank evaluated the same test set; check they agree (parameters are in sync).
-    accs = hvd.allgather_object(int(correct))
-    assert len(set(accs)) == 1, f"ranks disagree: {accs}"
-    if hvd.rank() == 0:
-        print(f"test accuracy: {100.0 * accs[0] / len(y_test):.2f}% "
-              f"({accs[0]}/{len(y_test)})", flush=True)
+    digits_data.report(hvd.allgather_object(int(correct)), len(y_test), hvd.rank())
 
 
 if __name__ == "__main__":

@@ -11,46 +11,22 @@ The training state (model, optimizer, sampler, epoch) is committed every
 ``--batches-per-commit`` steps; after a failure every rank goes back to the last commit,
 and ranks that join receive it from rank 0.
 """
-import argparse
-import os
 import time
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import aiak_training.torch as hvd
-
-
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--batches-per-commit", type=int, default=4)
-    p.add_argument("--step-sleep", type=float, default=0.0,
-                   help="pause after each step (to watch elastic events in a demo)")
-    p.add_argument("--progress-file", default=os.environ.get("DIGITS_PROGRESS"),
-                   help="rank 0 writes 'epoch step size' here after each commit")
-    return p.parse_args()
+import digits_data  # beside this file: the shared options and data split
 
 
 def main():
-    args = parse_args()
+    args = digits_data.elastic_args(__doc__)
     hvd.init()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # several ranks share this machine's cores
 
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25,
-                                                        random_state=args.seed, stratify=y)
+    x_train, x_test, y_train, y_test = digits_data.split(args.seed)
     x_train, y_train = torch.from_numpy(x_train), torch.from_numpy(y_train)
     x_test, y_test = torch.from_numpy(x_test), torch.from_numpy(y_test)
 
@@ -78,9 +54,7 @@ def main():
 
     def report_progress():
         if args.progress_file and hvd.rank() == 0:
-            with open(args.progress_file + ".tmp", "w") as f:
-                f.write(f"{state.epoch} {state.steps} {hvd.size()}\n")
-            os.replace(args.progress_file + ".tmp", args.progress_file)
+            digits_data.write_progress(args.progress_file, state.epoch, state.steps, hvd.size())
 
     @hvd.elastic.run
     def train(state):
@@ -112,11 +86,8 @@ def main():
     model.eval()
     with torch.no_grad():
         correct = int((model(x_test).argmax(1) == y_test).sum())
-    accs = hvd.allgather_object(correct)
-    assert len(set(accs)) == 1, f"ranks disagree: {accs}"
-    if hvd.rank() == 0:
-        print(f"test accuracy: {100.0 * correct / len(y_test):.2f}% "
-              f"({correct}/{len(y_test)}) on {hvd.size()} rank(s)", flush=True)
+    digits_data.report(hvd.allgather_object(correct), len(y_test), hvd.rank(),
+                       f" on {hvd.size()} rank(s)")
 
 
 if __name__ == "__main__":

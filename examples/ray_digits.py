@@ -45,9 +45,7 @@ def main() -> None:
                                                                verbose=False))
     finally:
         executor.shutdown()
-    first = results[0]
-    print(f"{first['size']} Ray workers, test accuracy: {100.0 * first['accuracy']:.2f}% "
-          f"({first['correct']}/{first['total']})")
+    print(digits_train.summary(results, "Ray workers"))
 
 
 if __name__ == "__main__":

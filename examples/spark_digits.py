@@ -44,9 +44,7 @@ def main() -> None:
                                           num_proc=args.num_proc)
     finally:
         spark.stop()
-    first = results[0]
-    print(f"{first['size']} Spark tasks, test accuracy: {100.0 * first['accuracy']:.2f}% "
-          f"({first['correct']}/{first['total']})")
+    print(digits_train.summary(results, "Spark tasks"))
 
 
 if __name__ == "__main__":

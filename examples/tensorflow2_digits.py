@@ -6,7 +6,6 @@
 A Horovod TensorFlow 2 script, unchanged except for the import line.  The data, split and
 model are those of examples/pytorch_digits.py; the model and optimizer are Keras 3's.
 """
-import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's start-up chatter
@@ -15,20 +14,13 @@ os.environ["KERAS_BACKEND"] = "tensorflow"  # the loop below is TensorFlow code
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 
 import aiak_training.tensorflow as hvd  # noqa: E402
+import digits_data  # noqa: E402  (beside this file: options, data split and report)
 
 
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--epochs", type=int, default=15)
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate for one rank")
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=42)
+    p = digits_data.parser(__doc__)
     p.add_argument("--fp16-allreduce", action="store_true", help="fp16 compression")
     return p.parse_args()
 
@@ -39,11 +31,7 @@ def main():
     tf.config.threading.set_intra_op_parallelism_threads(1)  # ranks share this machine
     keras.utils.set_random_seed(args.seed + hvd.rank())  # each rank shuffles differently
 
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int64)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25,
-                                                        random_state=args.seed, stratify=y)
+    x_train, x_test, y_train, y_test = digits_data.split(args.seed)
     x_train, y_train = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
     # Every rank must run the same number of steps.
     steps = int(hvd.allreduce(tf.constant(len(x_train) // args.batch_size), op=hvd.Min))
@@ -91,10 +79,7 @@ def main():
     correct = int((predictions == y_test).sum())
     # Every rank evaluated the same test set; they agree when the weights are in sync.
     counts = hvd.allgather(tf.constant([correct])).numpy().tolist()
-    assert len(set(counts)) == 1, f"ranks disagree: {counts}"
-    if hvd.rank() == 0:
-        print(f"test accuracy: {100.0 * correct / len(y_test):.2f}% "
-              f"({correct}/{len(y_test)})", flush=True)
+    digits_data.report(counts, len(y_test), hvd.rank())
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,3 +65,31 @@ def check_rank_summaries(stdout: str, nranks: int) -> int:
     assert len(set(summaries)) == 1, summaries  # every rank ran the same tests
     assert not re.search(r"\d+ failed", stdout), stdout[-4000:]
     return int(summaries[0])
+
+
+def aiakrun_digits_result(epochs: int) -> Tuple[int, int]:
+    """(correct, total) test samples of examples/pytorch_digits.py trained by ``aiakrun -np 2``
+    for ``epochs``: the reference that other launchers (Ray, Spark) must reproduce."""
+    proc = subprocess.run(["aiakrun", "-np", "2", sys.executable,
+                           os.path.join(REPO, "examples", "pytorch_digits.py"),
+                           "--epochs", str(epochs)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.search(r"test accuracy: [\d.]+% \((\d+)/(\d+)\)", proc.stdout)
+    assert found, proc.stdout
+    correct, total = map(int, found.groups())
+    return correct, total
+
+
+def processes_with(marker: str) -> List[int]:
+    """PIDs of live processes whose command line contains ``marker`` (zombies have none, so
+    they never match): what a test's job left behind."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found

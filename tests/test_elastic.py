@@ -343,15 +343,21 @@ def test_host_added_by_discovery_joins_and_receives_state(tmp_path):
     _check_exact(job, history, out["params"], epochs=6)
 
 
+def _fails_after_losing(job: ElasticJob, host: str) -> str:
+    """Lose ``host`` once training runs; the job must then fail.  Its log."""
+    job.wait_steps(2)
+    kill_host(host)
+    code = job.finish(timeout=120)
+    log = job.log()
+    assert code != 0
+    return log
+
+
 def test_fewer_than_min_np_fails_after_elastic_timeout(tmp_path):
     script, _ = discovery_script(tmp_path, ["hostA:1", "hostB:1"])
     job = ElasticJob(["-np", "2", "--min-np", "2", "--elastic-timeout", "3"]
                      + _aiakrun_args(script), tmp_path, {**ELASTIC_ENV, "EPOCHS": "50"})
-    job.wait_steps(2)
-    kill_host("hostB")
-    code = job.finish(timeout=120)
-    log = job.log()
-    assert code != 0
+    log = _fails_after_losing(job, "hostB")
     shortfall = ("only 1 slot(s) usable, fewer than the --min-np of 2, for 3 s "
                  "(--elastic-timeout); lost hosts: hostB")
     assert f"aiakrun: error: elastic job failed: {shortfall}" in log, log[-4000:]
@@ -365,11 +371,7 @@ def test_reset_limit_stops_the_job(tmp_path):
     script, _ = discovery_script(tmp_path, ["hostA:1", "hostB:1", "hostC:1"])
     job = ElasticJob(["-np", "3", "--min-np", "2", "--reset-limit", "0"]
                      + _aiakrun_args(script), tmp_path, {**ELASTIC_ENV, "EPOCHS": "50"})
-    job.wait_steps(2)
-    kill_host("hostC")
-    code = job.finish(timeout=120)
-    log = job.log()
-    assert code != 0
+    log = _fails_after_losing(job, "hostC")
     assert ("aiakrun: error: elastic job failed: reset limit reached: the job was reset 0 "
             "time(s) and another reset is needed (--reset-limit 0)") in log, log[-4000:]
 

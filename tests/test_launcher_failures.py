@@ -31,6 +31,7 @@ from aiak_training.runner.interrupt_filter import InterruptTracebackFilter
 from aiak_training.runner.launcher_output import BannerFilter
 from aiak_training.runner.liveness import LivenessServer, parse_value
 from aiak_training.runner.mpi_flavour import MpiNotFoundError, find_launcher
+from launch import processes_with
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "launcher_faults.py")
@@ -44,19 +45,6 @@ def _env(**extra: str) -> Dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env.update(extra)
     return env
-
-
-def _processes_with(marker: str) -> List[int]:
-    """Live processes whose command line contains ``marker`` (zombies have none)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def _wait_ready(out_dir: str, ranks: int, proc: subprocess.Popen, limit: float = 120) -> float:
@@ -331,7 +319,7 @@ def test_stuck_rank_after_stall_shutdown_ends_quickly(tmp_path) -> None:
         "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS); the other ranks were stopped",
         f"aiakrun: also: rank 0 (host {HOST}) exited with exit code 1"], err[-3000:]
     assert "BAD TERMINATION" not in out + err
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def test_uneven_steps_blame_the_rank_that_finished(tmp_path) -> None:
@@ -350,7 +338,7 @@ def test_uneven_steps_blame_the_rank_that_finished(tmp_path) -> None:
         "the same number of batches; the other ranks were stopped",
         f"aiakrun: also: rank 0 (host {HOST}) exited with exit code 1"], err[-3000:]
     assert "BAD TERMINATION" not in out + err
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def test_failure_banner_hidden_unless_verbose() -> None:
@@ -389,7 +377,7 @@ def test_ctrl_c_prints_one_line(tmp_path) -> None:
     assert proc.returncode == 128 + signal.SIGINT
     assert err.strip() == "aiakrun: stopped by SIGINT", err
     assert "Ctrl-C" not in out and "Traceback" not in out + err
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def test_horovod_import_gets_a_hint() -> None:
@@ -430,6 +418,15 @@ def test_rank_zero_says_what_is_on() -> None:
                    "fp16, overlap update on, fused optimizer on"], proc.stderr
 
 
+def _survivors(pids: List[int], since: float, limit: float = 10) -> List[int]:
+    """Those of ``pids`` still alive ``limit`` seconds after ``since`` (sooner if all end)."""
+    left = pids
+    while left and time.monotonic() - since < limit:
+        time.sleep(0.1)
+        left = [p for p in left if proc_tree.is_alive(p)]
+    return left
+
+
 def test_sigkill_of_aiakrun_leaves_nothing(tmp_path) -> None:
     marker = f"aiak_marker_{uuid.uuid4().hex}"
     proc = _start(["-np", "2", sys.executable, SCRIPT, "train", str(tmp_path), marker])
@@ -440,16 +437,13 @@ def test_sigkill_of_aiakrun_leaves_nothing(tmp_path) -> None:
         proc.kill()
         killed = time.monotonic()
         proc.communicate(timeout=30)
-        left = job
-        while left and time.monotonic() - killed < 10:
-            time.sleep(0.1)
-            left = [p for p in left if proc_tree.is_alive(p)]
+        left = _survivors(job, killed)
         assert left == [], [open(f"/proc/{p}/cmdline", "rb").read() for p in left]
-        assert _processes_with(marker) == []
+        assert processes_with(marker) == []
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc_tree.kill_all(_processes_with(marker))
+        proc_tree.kill_all(processes_with(marker))
 
 
 def test_liveness_stops_ranks_when_launcher_cannot(tmp_path) -> None:
@@ -467,18 +461,15 @@ def test_liveness_stops_ranks_when_launcher_cannot(tmp_path) -> None:
         proc.kill()
         killed = time.monotonic()
         proc.communicate(timeout=30)
-        left = job
-        while left and time.monotonic() - killed < 10:
-            time.sleep(0.1)
-            left = [p for p in left if proc_tree.is_alive(p)]
+        left = _survivors(job, killed)
         assert left == [], [open(f"/proc/{p}/cmdline", "rb").read() for p in left]
-        assert [p for p in _processes_with(marker) if p != launcher] == []
+        assert [p for p in processes_with(marker) if p != launcher] == []
     finally:
         if launcher is not None:
             proc_tree.kill_all([launcher], signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
-        proc_tree.kill_all(_processes_with(marker))
+        proc_tree.kill_all(processes_with(marker))
 
 
 # ------------------------------------------------------------------------------------------
@@ -525,7 +516,7 @@ def test_sigkill_of_aiakrun_on_the_emulated_cluster(tmp_path) -> None:
             time.sleep(0.1)
         assert all(os.path.exists(os.path.join(tmp_path, f"ready.{r}")) for r in range(4)), \
             result
-        launchers = [p for p in _processes_with(marker) if p in _netns_pids(cluster.namespaces[0])
+        launchers = [p for p in processes_with(marker) if p in _netns_pids(cluster.namespaces[0])
                      and b"runner.launch" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert len(launchers) == 1, launchers
         # Both nodes run processes of the job: the remote node's proxy, wrappers and ranks.
@@ -539,5 +530,5 @@ def test_sigkill_of_aiakrun_on_the_emulated_cluster(tmp_path) -> None:
                     if proc_tree.is_alive(p)]
         thread.join(timeout=30)
         assert left == [], [(p, open(f"/proc/{p}/cmdline", "rb").read()) for p in left]
-        assert _processes_with(marker) == []
+        assert processes_with(marker) == []
     assert prefix and leftovers(prefix) == []

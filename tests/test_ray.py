@@ -5,9 +5,7 @@ One cluster (``ray.cluster_utils.Cluster``: a head and a second node, 3 CPUs eac
 on small machines.  Skipped when the ``ray`` extra is not installed.
 """
 import os
-import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARALLEL = os.path.join(REPO, "tests", "parallel")
 sys.path.insert(0, os.path.join(REPO, "examples"))
 import digits_train  # noqa: E402
+from launch import aiakrun_digits_result  # noqa: E402
 
 # The actors cannot import this file or examples/: ship their code by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -200,13 +199,7 @@ def test_killed_actor_is_an_error_naming_the_rank_and_shutdown_cleans_up(cluster
 
 def test_digits_training_reaches_the_aiakrun_accuracy(cluster):
     epochs = 3
-    proc = subprocess.run(["aiakrun", "-np", "2", sys.executable,
-                           os.path.join(REPO, "examples", "pytorch_digits.py"),
-                           "--epochs", str(epochs)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    correct, total = map(int, re.search(r"test accuracy: [\d.]+% \((\d+)/(\d+)\)",
-                                        proc.stdout).groups())
+    correct, total = aiakrun_digits_result(epochs)
     ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
     ex.start()
     try:

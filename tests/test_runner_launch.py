@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 from aiak_training.common import build_info
+from launch import processes_with
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Prints one line per rank in a single write, so MPI's per-chunk labels cannot split it.
@@ -35,19 +36,6 @@ def aiakrun(*argv, timeout=60, env=None):
 
 def _ranks(stdout):
     return sorted((int(r), h) for r, h in re.findall(r"rank=(\d+) host=(\S+)", stdout))
-
-
-def _processes_with(marker):
-    """PIDs whose command line contains ``marker`` (zombies have none, so they never match)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def test_two_ranks_run_with_their_mpi_rank():
@@ -118,7 +106,7 @@ def test_killed_rank_stops_the_job_and_is_reported():
     assert proc.stderr.rstrip().splitlines()[-1] == (
         f"aiakrun: job failed: rank 1 (host {host}) exited with signal SIGKILL; "
         "the other ranks were stopped")
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def test_rank_exit_code_is_reported_and_returned():
@@ -135,7 +123,7 @@ def test_rank_exit_code_is_reported_and_returned():
     assert proc.stderr.rstrip().splitlines()[-1] == (
         "aiakrun: job failed: rank 0 (host a) exited with exit code 3; "
         "the other ranks were stopped")
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def test_missing_program_is_reported():
@@ -170,7 +158,7 @@ def test_sigint_is_forwarded_and_nothing_is_left():
     assert proc.returncode == 128 + signal.SIGINT
     assert err.rstrip().splitlines()[-1] == "aiakrun: stopped by SIGINT"
     assert "exited with" not in err  # ranks stopped on request are not reported as failures
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def test_output_filename_writes_per_rank_files(tmp_path):

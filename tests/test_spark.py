@@ -5,8 +5,6 @@ extra is not installed.
 """
 import io
 import os
-import re
-import subprocess
 import sys
 import threading
 import time
@@ -24,6 +22,7 @@ import aiak_training.spark as aiak_spark  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples"))
 import digits_train  # noqa: E402
+from launch import aiakrun_digits_result  # noqa: E402
 
 # The Spark tasks cannot import this file or examples/: ship their code by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -114,13 +113,7 @@ def test_bad_input(spark):
 
 def test_digits_training_reaches_the_aiakrun_accuracy(spark):
     epochs = 3
-    proc = subprocess.run(["aiakrun", "-np", "2", sys.executable,
-                           os.path.join(REPO, "examples", "pytorch_digits.py"),
-                           "--epochs", str(epochs)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    correct, total = map(int, re.search(r"test accuracy: [\d.]+% \((\d+)/(\d+)\)",
-                                        proc.stdout).groups())
+    correct, total = aiakrun_digits_result(epochs)
     results = aiak_spark.run(digits_train.train, kwargs=dict(epochs=epochs, verbose=False),
                              num_proc=2)
     assert [r["rank"] for r in results] == [0, 1] and all(r["gloo"] for r in results)

@@ -57,7 +57,7 @@ def resolve_algorithm(config: Config, topology: Topology, is_global: bool) -> Tu
     """
     if not is_global:
         return "flat", "process sets other than the global one use flat"
-    if getattr(topology.comm, "transport", "mpi") == "gloo":
+    if getattr(getattr(topology, "comm", None), "transport", "mpi") == "gloo":
         # The hierarchical schemes use MPI shared-memory windows; Gloo runs its own allreduce.
         return "flat", "the Gloo transport uses Gloo's allreduce"
     requested = config.allreduce_algo

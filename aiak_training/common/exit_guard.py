@@ -28,7 +28,6 @@ Standard library and (lazily) mpi4py only: ``common`` may not import the runtime
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import re
@@ -39,6 +38,7 @@ import time
 from typing import Dict, List, Optional
 
 from aiak_training.common.env import env_float
+from aiak_training.common.records import drop_record
 
 EXIT_TIMEOUT_ENV = "AIAK_EXIT_TIMEOUT_SECONDS"
 DEFAULT_EXIT_TIMEOUT_S = 3.0
@@ -138,13 +138,7 @@ def _write_note(event: str, extra: dict) -> None:
     record = {"rank": rank, "host": os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(),
               "event": event, "time": time.time(), "pid": os.getpid(), **extra}
     name = f"rank.{rank if rank is not None else 'unknown'}.{os.getpid()}.{event}"
-    tmp = os.path.join(directory, f".{name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        os.replace(tmp, os.path.join(directory, name + ".note"))
-    except OSError:
-        pass
+    drop_record(directory, name, ".note", record)
 
 
 # ---- the bounded exit ---------------------------------------------------------------------------

@@ -34,7 +34,29 @@ class HostUpdateResult(enum.IntFlag):
     mixed = removed | added
 
 
-class State:
+class Restorable:
+    """Something that keeps a committed copy of its values: ``save`` keeps the current values,
+    ``restore`` goes back to them, ``sync`` makes every rank hold rank 0's, ``reset`` adapts
+    to a new world.  Elastic states are, and so are the per-object handlers of framework
+    states."""
+
+    def save(self) -> None:
+        """Keep the current values as the committed ones."""
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        """Go back to the values of the last ``save``."""
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        """Make every rank hold rank 0's values."""
+        raise NotImplementedError()
+
+    def reset(self) -> None:
+        """Adapt to a new world (nothing by default)."""
+
+
+class State(Restorable):
     """Base class of elastic state.  Subclasses implement ``save``, ``restore`` and ``sync``.
 
     ``bcast_object(obj)`` must return rank 0's ``obj`` on every rank; ``get_rank()`` returns
@@ -88,18 +110,6 @@ class State:
         if self._last_updated_timestamp > prev:
             # Only removals: the survivors all hold the state just committed, no sync needed.
             raise HostsUpdatedInterrupt(HostUpdateResult(update) == HostUpdateResult.removed)
-
-    def save(self) -> None:
-        """Keep the current values as the committed ones."""
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        """Go back to the values of the last ``save``."""
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        """Make every rank hold rank 0's values."""
-        raise NotImplementedError()
 
     def reset(self) -> None:
         """Adapt the state's objects to a new world (before the reset callbacks run)."""

@@ -77,3 +77,22 @@ def local_layers(layers: Any, module: ModuleType) -> List[Any]:
                 raise mixed_error("PartialDistributedOptimizer", layer, module)
             raise ValueError(hs.LOCAL_LAYERS_TYPE)
     return found
+
+
+def live_models(module: ModuleType) -> List[Any]:
+    """Every live model of ``module`` (a Keras), sorted by name, so that all ranks walk them
+    in the same order (``broadcast_global_variables``).  ValueError when two share a name:
+    their order could not be agreed."""
+    import gc
+    gc.collect()
+    # type() rather than isinstance(): some objects (lazy modules) answer __class__ lookups.
+    models = [obj for obj in gc.get_objects() if issubclass(type(obj), module.Model)]
+    models.sort(key=lambda m: m.name)
+    for first, second in zip(models, models[1:]):
+        if first.name == second.name:
+            raise ValueError(
+                f"broadcast_global_variables: two live Keras models are both named "
+                f"{first.name!r}, so their order cannot be agreed between ranks. Name them "
+                "apart, or broadcast their variables explicitly with "
+                "BroadcastGlobalVariablesCallback or hvd.broadcast_variables.")
+    return models

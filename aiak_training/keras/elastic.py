@@ -136,19 +136,9 @@ def _as_internal_error(func: Callable[..., Any]) -> Callable[..., Any]:
     carrying our message; make it the ``HorovodInternalError`` that ``run`` resets on."""
     if _backend.name() != "tensorflow":
         return func
-    import functools
-
-    import tensorflow as tf
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except tf.errors.OpError as exc:
-            if isinstance(exc, HorovodInternalError) or "HorovodInternalError" not in str(exc):
-                raise
-            raise HorovodInternalError(str(exc)) from exc
-    return wrapper
+    # Imported here: the torch backend must not load TensorFlow.
+    from aiak_training.tensorflow.elastic import as_internal_error
+    return as_internal_error(func)
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:

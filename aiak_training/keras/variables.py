@@ -17,36 +17,20 @@ order).  Two live models with one name would leave that order open, which is an 
 variable reached from several models (shared layers, nested models) is sent once, at its
 first place.
 """
-import gc
 from typing import Any, List
 
 import keras
 
-from aiak_training.keras import _backend
+from aiak_training.keras import _backend, _flavour
 from aiak_training.runtime.process_sets import global_process_set
 
 _ops = _backend.adapter()
 
 
-def _live_models() -> List[keras.Model]:
-    gc.collect()
-    # type() rather than isinstance(): some objects (lazy modules) answer __class__ lookups.
-    models = [obj for obj in gc.get_objects() if issubclass(type(obj), keras.Model)]
-    models.sort(key=lambda m: m.name)
-    for first, second in zip(models, models[1:]):
-        if first.name == second.name:
-            raise ValueError(
-                f"broadcast_global_variables: two live Keras models are both named "
-                f"{first.name!r}, so their order cannot be agreed between ranks. Name them "
-                "apart, or broadcast their variables explicitly with "
-                "BroadcastGlobalVariablesCallback or hvd.broadcast_variables.")
-    return models
-
-
 def global_variables() -> List[Any]:
     """The global variables (see the module's description), in broadcast order."""
     seen, out = set(), []
-    for model in _live_models():
+    for model in _flavour.live_models(keras):
         state = list(model.weights)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and getattr(optimizer, "built", False):

@@ -15,12 +15,10 @@ summary stays as before.  Standard library only.
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from aiak_training.runner.failure import RankFailure
+from aiak_training.runner.failure import RankFailure, read_records
 
 # Reasons the engines append to Horovod's shut-down message (runtime/controller.py and
 # csrc/engine/controller.cpp).
@@ -44,23 +42,10 @@ class Note:
 
 def read_notes(directory: str) -> List[Note]:
     """Every readable note in ``directory``, earliest first."""
-    out: List[Note] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return out
-    for name in names:
-        if not name.endswith(".note"):
-            continue
-        try:
-            with open(os.path.join(directory, name), encoding="utf-8") as f:
-                raw = json.load(f)
-            out.append(Note(raw.get("rank"), str(raw.get("host", "?")), str(raw["event"]),
-                            float(raw.get("time", 0.0)), str(raw.get("message", "")),
-                            {int(r): list(n) for r, n in (raw.get("missing") or {}).items()}))
-        except (OSError, ValueError, TypeError, KeyError):
-            continue
-    return sorted(out, key=lambda n: (n.time, n.rank if n.rank is not None else -1))
+    return read_records(directory, ".note", lambda raw: Note(
+        raw.get("rank"), str(raw.get("host", "?")), str(raw["event"]),
+        float(raw.get("time", 0.0)), str(raw.get("message", "")),
+        {int(r): list(n) for r, n in (raw.get("missing") or {}).items()}))
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:

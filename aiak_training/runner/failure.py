@@ -13,7 +13,11 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from typing import Any, Callable, List, Optional, TypeVar
+
+from aiak_training.common.records import drop_record
+
+R = TypeVar("R")
 
 FAILURE_DIR_ENV = "AIAK_FAILURE_DIR"
 
@@ -57,34 +61,34 @@ def write_failure(directory: str, failure: RankFailure) -> None:
     The directory is never created: if it is missing this rank runs on another host and
     aiakrun could not read the file anyway.
     """
-    if not directory or not os.path.isdir(directory):
-        return
     name = f"rank.{failure.rank if failure.rank is not None else 'unknown'}.{os.getpid()}"
-    tmp = os.path.join(directory, f".{name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(asdict(failure), f)
-        os.replace(tmp, os.path.join(directory, name + ".json"))  # atomic for readers
-    except OSError:
-        pass
+    drop_record(directory, name, ".json", asdict(failure))
 
 
-def read_failures(directory: str) -> List[RankFailure]:
-    """All complete records in ``directory``, earliest first."""
-    found: List[RankFailure] = []
+def read_records(directory: str, suffix: str, parse: Callable[[Any], R]) -> List[R]:
+    """Every JSON file in ``directory`` whose name ends with ``suffix``, as ``parse`` makes
+    it, earliest first (by ``time``, then ``rank``).  A file that cannot be read or parsed
+    (half written, or from another version) is passed over: a report is better incomplete
+    than missing."""
+    found: List[R] = []
     try:
         names = os.listdir(directory)
     except OSError:
         return found
     for name in names:
-        if not name.endswith(".json"):
+        if not name.endswith(suffix):
             continue
         try:
             with open(os.path.join(directory, name), encoding="utf-8") as f:
-                found.append(RankFailure(**json.load(f)))
-        except (OSError, ValueError, TypeError):
+                found.append(parse(json.load(f)))
+        except (OSError, ValueError, TypeError, KeyError):
             continue
     return sorted(found, key=lambda r: (r.time, r.rank if r.rank is not None else -1))
+
+
+def read_failures(directory: str) -> List[RankFailure]:
+    """All complete records in ``directory``, earliest first."""
+    return read_records(directory, ".json", lambda raw: RankFailure(**raw))
 
 
 def has_failures(directory: str) -> bool:

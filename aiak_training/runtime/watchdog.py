@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set,
 from mpi4py import MPI
 
 from aiak_training.common.config import Config
+from aiak_training.common.records import drop_record
 
 log = logging.getLogger("aiak_training")
 
@@ -540,15 +541,6 @@ def write_failure_record(rank: int, host: str, returncode: int, detail: str,
     (a rank on another host without a shared file system).
     """
     directory = os.environ.get(FAILURE_DIR_ENV, "") if directory is None else directory
-    if not directory or not os.path.isdir(directory):
-        return
-    name = f"rank.{rank}.{os.getpid()}.watchdog"
     record = {"rank": rank, "host": host, "returncode": returncode, "time": time.time(),
               "detail": detail}
-    tmp = os.path.join(directory, f".{name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        os.replace(tmp, os.path.join(directory, name + ".json"))
-    except OSError:
-        pass
+    drop_record(directory, f"rank.{rank}.{os.getpid()}.watchdog", ".json", record)

@@ -83,7 +83,7 @@ def _reset() -> None:
     reset_world(shutdown, init)
 
 
-def _as_internal_error(func: Callable[..., Any]) -> Callable[..., Any]:
+def as_internal_error(func: Callable[..., Any]) -> Callable[..., Any]:
     """A failed collective inside ``tf.function`` arrives as an ``OpError`` whose message
     carries ours: make it the ``HorovodInternalError`` that ``run`` resets on."""
     @functools.wraps(func)
@@ -100,5 +100,5 @@ def _as_internal_error(func: Callable[..., Any]) -> Callable[..., Any]:
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator for the training function ``func(state, ...)`` (see
     :func:`aiak_training.elastic.run_fn`)."""
-    return run_fn(_as_internal_error(func), _reset)
+    return run_fn(as_internal_error(func), _reset)
 

@@ -7,6 +7,7 @@ single-process Keras run on the full data, numpy, or the formulas of Horovod's c
 Every ``model.fit`` traces a train function (seconds on TensorFlow), so each test runs few
 of them and checks much on each.
 """
+import functools
 import importlib.util
 import os
 import sys
@@ -17,10 +18,11 @@ import pytest
 
 import aiak_training.keras as hvd
 from aiak_training.common import horovod_strings as hs
+from keras_models import SAMPLES, dataset
+import keras_models
 
 BACKEND = keras.backend.backend()
 TENSORFLOW = BACKEND == "tensorflow"
-SAMPLES = 64
 
 
 def to_numpy(value):
@@ -32,26 +34,11 @@ def everyone(array):
     return to_numpy(hvd.allgather(np.asarray(array)[None]))
 
 
-def dataset(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(SAMPLES, 6)).astype(np.float32)
-    y = (x @ rng.normal(size=(6, 1)) + 0.1 * rng.normal(size=(SAMPLES, 1))).astype(np.float32)
-    return x, y
-
-
 def shard(*arrays):
     return [a[hvd.rank()::hvd.size()] for a in arrays]
 
 
-def make_model(seed=0, name=None):
-    """A small MLP whose weights are drawn from numpy (the same on every rank for one
-    seed), so no backend seeding is needed."""
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
-                              keras.layers.Dense(1)], name=name)
-    rng = np.random.default_rng(100 + seed)
-    model.set_weights([rng.normal(scale=0.5, size=w.shape).astype(np.float32)
-                       for w in model.get_weights()])
-    return model
+make_model = functools.partial(keras_models.make_model, keras)
 
 
 def flat(variables):

@@ -4,6 +4,7 @@ Run at 2 ranks by tests/test_keras.py with TF_USE_LEGACY_KERAS=1 and AIAK_TEST_T
 directory the ranks share).  ``tf.keras`` is tf_keras here.  References: a single-process
 Keras 2 run on the full data, numpy, or the formulas of Horovod's callbacks.
 """
+import functools
 import os
 
 import numpy as np
@@ -13,31 +14,19 @@ import tensorflow as tf
 import aiak_training.keras as hvd_keras
 import aiak_training.tensorflow.keras as hvd
 from aiak_training.common import horovod_strings as hs
+from keras_models import SAMPLES, dataset
+import keras_models
 
 keras = tf.keras
-SAMPLES = 64
 pytestmark = pytest.mark.skipif(not keras.__name__.startswith("tf_keras"),
                                 reason="runs with TF_USE_LEGACY_KERAS=1 and tf_keras")
-
-
-def dataset(seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(SAMPLES, 6)).astype(np.float32)
-    y = (x @ rng.normal(size=(6, 1)) + 0.1 * rng.normal(size=(SAMPLES, 1))).astype(np.float32)
-    return x, y
 
 
 def shard(*arrays):
     return [a[hvd.rank()::hvd.size()] for a in arrays]
 
 
-def make_model(seed=0, name=None):
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
-                              keras.layers.Dense(1)], name=name)
-    rng = np.random.default_rng(100 + seed)
-    model.set_weights([rng.normal(scale=0.5, size=w.shape).astype(np.float32)
-                       for w in model.get_weights()])
-    return model
+make_model = functools.partial(keras_models.make_model, keras)
 
 
 def flat(variables):

@@ -7,13 +7,13 @@ momentum are set through the optimizer's attributes, which Keras 2 optimizers ke
 variables (a compiled step reads their current value), except a Keras >= 2.11 optimizer's
 ``momentum``, a Python float taken in when the step is traced, as with Horovod.
 """
-from typing import Any, Callable, Dict, Optional, Union
+from typing import Any, Dict, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.keras import _flavour
+from aiak_training.keras import _flavour, _lr_schedule
 from aiak_training.tensorflow import functions, reductions
 from aiak_training.tensorflow.mpi_ops import Average, rank, size
 
@@ -91,95 +91,24 @@ def _get_value(value: Any) -> float:
     return float(keras.backend.get_value(value))
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_lr_schedule.ScheduleMixin, keras.callbacks.Callback):
     """Learning rate ``initial_lr * multiplier(epoch)`` for the epochs in
     ``[start_epoch, end_epoch)`` (``multiplier`` a function, or a number ``m`` meaning
     ``m ** (epoch - start_epoch)``); per epoch with ``staircase``, else per batch with a
     fractional epoch.  ``momentum_correction`` scales momentum by ``new_lr / old_lr`` for
     the batch where the rate changes.  The rate is logged as ``lr`` at each epoch's end."""
 
-    def __init__(self, initial_lr: float, multiplier: Union[float, Callable[[float], float]],
-                 start_epoch: int = 0, end_epoch: Optional[int] = None,
-                 staircase: bool = True, momentum_correction: bool = True,
-                 steps_per_epoch: Optional[int] = None):
-        super().__init__()
-        if initial_lr is None:
-            raise ValueError(hs.INITIAL_LR_REQUIRED)
-        self.initial_lr, self.steps_per_epoch = initial_lr, steps_per_epoch
-        self.start_epoch, self.end_epoch = start_epoch, end_epoch
-        self.staircase, self.momentum_correction = staircase, momentum_correction
-        self.multiplier = (multiplier if callable(multiplier)
-                           else lambda epoch: multiplier ** (epoch - start_epoch))
-        self.restore_momentum: Optional[float] = None
-        self.current_epoch: Optional[int] = None
-
-    def _autodetect_steps_per_epoch(self) -> int:
-        if self.params.get("steps"):
-            return self.params["steps"]
-        if self.params.get("samples") and self.params.get("batch_size"):
-            return self.params["samples"] // self.params["batch_size"]
-        raise ValueError(hs.STEPS_PER_EPOCH_UNKNOWN.format(type(self).__name__))
-
-    def _adjust_learning_rate(self, epoch: float) -> None:
-        optimizer = self.model.optimizer
-        old_lr = _get_value(optimizer.learning_rate)
-        new_lr = self.initial_lr * self.multiplier(epoch)
-        optimizer.learning_rate = new_lr
-        if self.momentum_correction and hasattr(optimizer, "momentum"):
-            self.restore_momentum = _get_value(optimizer.momentum)
-            optimizer.momentum = self.restore_momentum * new_lr / old_lr
-
-    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
-        if not self.staircase and not self.steps_per_epoch:
-            self.steps_per_epoch = self._autodetect_steps_per_epoch()
-
-    def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        self.current_epoch = epoch
-
-    def on_batch_begin(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        if self.current_epoch < self.start_epoch or (
-                self.end_epoch is not None and self.current_epoch >= self.end_epoch):
-            return
-        if self.staircase:
-            if batch == 0:
-                self._adjust_learning_rate(self.current_epoch)
-        else:
-            self._adjust_learning_rate(self.current_epoch + float(batch) / self.steps_per_epoch)
-
-    def on_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        if self.restore_momentum:
-            self.model.optimizer.momentum = self.restore_momentum
-            self.restore_momentum = None
-
-    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        if logs is not None:
-            logs["lr"] = _get_value(self.model.optimizer.learning_rate)
+    _read_value = staticmethod(_get_value)
 
 
-class LearningRateWarmupCallback(LearningRateScheduleCallback):
+class LearningRateWarmupCallback(_lr_schedule.WarmupMixin, LearningRateScheduleCallback):
     """Raise the learning rate linearly from ``initial_lr / size`` to ``initial_lr`` over
     ``warmup_epochs`` epochs, batch by batch:
     ``lr(epoch) = initial_lr / size * (epoch * (size - 1) / warmup_epochs + 1)``, with the
     fractional epoch shifted by one batch.  ``verbose`` > 0: rank 0 prints the final rate."""
 
-    def __init__(self, initial_lr: float, warmup_epochs: int = 5,
-                 momentum_correction: bool = True, steps_per_epoch: Optional[int] = None,
-                 verbose: int = 0):
-        def multiplier(epoch: float) -> float:
-            epoch += 1.0 / self.steps_per_epoch
-            ranks = size()
-            return 1.0 / ranks * (epoch * (ranks - 1) / warmup_epochs + 1)
-
-        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
-                         staircase=False, momentum_correction=momentum_correction,
-                         steps_per_epoch=steps_per_epoch)
-        self.verbose = verbose
-
-    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and rank() == 0:
-            print(hs.WARMUP_FINISHED.format(
-                epoch + 1, _get_value(self.model.optimizer.learning_rate)))
+    _world_size = staticmethod(size)
+    _world_rank = staticmethod(rank)
 
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",

@@ -7,7 +7,6 @@ of ``custom_optimizers``, is given there as a factory that builds the optimizer 
 saved config and wraps it in ``DistributedOptimizer``; Keras then restores its slots into
 the wrapped optimizer.
 """
-import gc
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import tensorflow as tf
@@ -56,19 +55,6 @@ def load_model(filepath: Any, custom_optimizers: Optional[Sequence[type]] = None
     return keras.models.load_model(filepath, custom_objects=objects)
 
 
-def _live_models() -> List[Any]:
-    gc.collect()
-    models = [obj for obj in gc.get_objects() if issubclass(type(obj), keras.Model)]
-    models.sort(key=lambda m: m.name)
-    for first, second in zip(models, models[1:]):
-        if first.name == second.name:
-            raise ValueError(
-                f"broadcast_global_variables: two live Keras models are both named "
-                f"{first.name!r}, so their order cannot be agreed between ranks. Name them "
-                "apart, or use BroadcastGlobalVariablesCallback or hvd.broadcast_variables.")
-    return models
-
-
 def broadcast_global_variables(root_rank: int) -> Any:
     """Overwrite the global variables with ``root_rank``'s values.
 
@@ -84,7 +70,7 @@ def broadcast_global_variables(root_rank: int) -> Any:
             tf.compat.v1.keras.backend.get_session
         return get_session().run(_graph_broadcast(root_rank))
     seen, variables = set(), []
-    for model in _live_models():
+    for model in _flavour.live_models(keras):
         state = list(model.variables)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:

@@ -8,19 +8,14 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from aiak_training.common.ranks import RankIdentity
+
 Slot = Tuple[str, int]  # (host, index of the slot on that host)
 
 
 @dataclass(frozen=True)
-class Identity:
+class Identity(RankIdentity):
     """A worker's place in one round's world (Horovod's rank_and_size record)."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
 
 
 class HostOrder:

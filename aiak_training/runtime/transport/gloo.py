@@ -30,6 +30,7 @@ import numpy as np
 
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp
 from aiak_training.common.env import env_float
+from aiak_training.common.ranks import RankIdentity
 
 log = logging.getLogger("aiak_training")
 
@@ -49,7 +50,7 @@ CONTROLLER_ENV = "HOROVOD_CONTROLLER"
 
 # ---- identity -------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class WorldInfo:
+class WorldInfo(RankIdentity):
     """Who this process is in the world to form, and where the rendezvous store listens.
 
     ``local_*`` and ``cross_*`` are what the launcher assigned; the runtime derives its own from
@@ -57,12 +58,6 @@ class WorldInfo:
     ``prefix`` names this world's keys in the store: a driver that reuses one store for
     successive worlds gives each a new prefix.
     """
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
     hostname: str
     addr: str
     port: int

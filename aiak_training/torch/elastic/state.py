@@ -8,11 +8,13 @@ from typing import Any, Dict, Tuple
 import torch
 
 from aiak_training.elastic import ObjectState
+from aiak_training.elastic.state import Restorable
 from aiak_training.torch.elastic.sampler import ElasticSampler
 
 
-class _Handler:
-    """Saves, restores and syncs one object that pickling would not handle well."""
+class _Handler(Restorable):
+    """Saves, restores and syncs one object that pickling would not handle well: by a deep
+    copy of its ``state_dict`` (models, optimizers and samplers all have one)."""
 
     def __init__(self, value: Any):
         self.value = value
@@ -23,37 +25,19 @@ class _Handler:
         self.save()
 
     def save(self) -> None:
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        raise NotImplementedError()
-
-    def reset(self) -> None:
-        pass
-
-
-class _ModelHandler(_Handler):
-    def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
         self.value.load_state_dict(self._saved)
 
+
+class _ModelHandler(_Handler):
     def sync(self) -> None:
         from aiak_training.torch.functions import broadcast_parameters
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
 class _OptimizerHandler(_Handler):
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
     def sync(self) -> None:
         from aiak_training.torch.functions import broadcast_optimizer_state
         broadcast_optimizer_state(self.value, root_rank=0)
@@ -68,12 +52,6 @@ class _SamplerHandler(_Handler):
         for part in allgather_object(self.value.take_unmerged(),
                                      name="elastic.sampler.recorded"):
             self.value.processed_indices.update(part)
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
 
     def sync(self) -> None:
         from aiak_training.torch.functions import broadcast_object
