@@ -93,3 +93,22 @@ def processes_with(marker: str) -> List[int]:
         except OSError:
             pass
     return found
+
+
+def require_emulation() -> None:
+    """Skip (with the reason) where an emulated cluster cannot be built: not root, not Linux,
+    or what ``can_emulate()`` reports."""
+    import pytest
+    from aiak_training.testing.cluster import can_emulate
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("the emulated cluster needs root on Linux (network namespaces, veth, tc)")
+    ok, why = can_emulate()
+    if not ok:
+        pytest.skip(f"cannot emulate a cluster here: {why}")
+
+
+def netns_pids(ns: str) -> List[int]:
+    """PIDs of the processes in network namespace ``ns``."""
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                         timeout=10).stdout
+    return [int(p) for p in out.split() if p.isdigit()]

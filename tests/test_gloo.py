@@ -1,6 +1,5 @@
 """The Gloo transport and ``aiakrun --gloo``: the per-rank op/dtype suite over Gloo, a killed
 rank, re-forming worlds in one process, and the transport's bad-input errors."""
-import os
 import re
 import subprocess
 import sys
@@ -25,6 +24,10 @@ def aiakrun_gloo(args, env=None, timeout=300):
 
 
 # ---- the op/dtype matrix over Gloo ------------------------------------------------------------
+#: 4 ranks run the op/dtype matrix and the layout tests of the suite, to stay lean.
+FOUR_RANK_SELECTION = ("every_dtype or uneven or every_root or variable_first or with_splits or "
+                       "topology or launcher or mismatch or process_sets")
+
 @pytest.mark.parametrize("layout", ["2ranks", "2x2_virtual_nodes"])
 def test_torch_ops_suite_over_gloo(layout):
     """tests/parallel/test_torch_ops.py (exact results for every op, dtype, mismatch error,
@@ -34,16 +37,37 @@ def test_torch_ops_suite_over_gloo(layout):
     else:
         args, env, n = ["-np", "4", "-H", "node0:2,node1:2", "--virtual-hosts"], \
             {"AIAK_TEST_LAYOUT": "2,2"}, 4
-    select = [] if n == 2 else [  # 4 ranks: the op/dtype matrix and layout, to stay lean
-        "-k", "every_dtype or uneven or every_root or variable_first or with_splits or "
-              "topology or launcher or mismatch or process_sets"]
+    select = [] if n == 2 else ["-k", FOUR_RANK_SELECTION]
     proc = aiakrun_gloo(args + PYTEST + ["tests/parallel/test_torch_ops.py"] + select, env)
+    _check_suite(proc, n)
+
+
+def _check_suite(proc, n):
+    """Every one of ``n`` ranks passed the same tests, through Gloo alone."""
     assert proc.returncode == 0, proc.stdout[-6000:]
     check_rank_summaries(proc.stdout, n)
     # aiakrun --gloo labels every line with its rank, as mpiexec -l does.
     for rank in range(n):
         assert re.search(rf"^\[{rank}\] .*\d+ passed", proc.stdout, re.M), proc.stdout[-3000:]
     assert "mpiexec" not in proc.stdout and "hydra" not in proc.stdout
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1), (2, 1, 1)], ids=["3x1", "2+1+1"])
+def test_torch_ops_suite_over_gloo_on_emulated_cluster(layout):
+    """The same suite with ranks on 3 emulated nodes (network namespaces, 1 Gbit/s links; root
+    only): every cross-node byte goes over TCP between namespaces, started through the
+    cluster's launch agent.  3x1: the whole suite; 2+1+1 (uneven nodes): the op/dtype matrix
+    and layout selection."""
+    from elastic_support import cluster_run, emulated_cluster
+    with emulated_cluster(3) as cluster:
+        hosts = ",".join(f"{h}:{n}" for h, n in zip(cluster.hosts, layout))
+        select = [] if layout == (1, 1, 1) else ["-k", FOUR_RANK_SELECTION]
+        proc = cluster_run(cluster, [sys.executable, "-m", "aiak_training.runner.launch",
+                                     "--gloo", "-np", str(sum(layout)), "-H", hosts, *PYTEST,
+                                     "tests/parallel/test_torch_ops.py", *select],
+                           {"AIAK_TEST_LAYOUT": ",".join(map(str, layout))}, timeout=300,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _check_suite(proc, sum(layout))
 
 
 # ---- failures -----------------------------------------------------------------------------

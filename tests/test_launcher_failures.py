@@ -31,7 +31,7 @@ from aiak_training.runner.interrupt_filter import InterruptTracebackFilter
 from aiak_training.runner.launcher_output import BannerFilter
 from aiak_training.runner.liveness import LivenessServer, parse_value
 from aiak_training.runner.mpi_flavour import MpiNotFoundError, find_launcher
-from launch import processes_with
+from launch import netns_pids, processes_with, require_emulation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "launcher_faults.py")
@@ -476,23 +476,8 @@ def test_liveness_stops_ranks_when_launcher_cannot(tmp_path) -> None:
 # On the emulated cluster (root and network namespaces)
 
 
-def _cluster_or_skip():
-    from aiak_training.testing.cluster import can_emulate
-    if sys.platform != "linux" or os.geteuid() != 0:
-        pytest.skip("the emulated cluster needs root on Linux (network namespaces, veth, tc)")
-    ok, why = can_emulate()
-    if not ok:
-        pytest.skip(f"cannot emulate a cluster here: {why}")
-
-
-def _netns_pids(ns: str) -> List[int]:
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                         timeout=10).stdout
-    return [int(p) for p in out.split() if p.isdigit()]
-
-
 def test_sigkill_of_aiakrun_on_the_emulated_cluster(tmp_path) -> None:
-    _cluster_or_skip()
+    require_emulation()
     from aiak_training.testing.cluster import EmulatedCluster, leftovers
     marker = f"aiak_marker_{uuid.uuid4().hex}"
     with EmulatedCluster(2, 2, "1gbit", verify="off", log=None) as cluster:
@@ -516,17 +501,17 @@ def test_sigkill_of_aiakrun_on_the_emulated_cluster(tmp_path) -> None:
             time.sleep(0.1)
         assert all(os.path.exists(os.path.join(tmp_path, f"ready.{r}")) for r in range(4)), \
             result
-        launchers = [p for p in processes_with(marker) if p in _netns_pids(cluster.namespaces[0])
+        launchers = [p for p in processes_with(marker) if p in netns_pids(cluster.namespaces[0])
                      and b"runner.launch" in open(f"/proc/{p}/cmdline", "rb").read()]
         assert len(launchers) == 1, launchers
         # Both nodes run processes of the job: the remote node's proxy, wrappers and ranks.
-        assert _netns_pids(cluster.namespaces[1])
+        assert netns_pids(cluster.namespaces[1])
         os.kill(launchers[0], signal.SIGKILL)
         killed = time.monotonic()
         left = [1]
         while left and time.monotonic() - killed < 10:
             time.sleep(0.1)
-            left = [p for ns in cluster.namespaces for p in _netns_pids(ns)
+            left = [p for ns in cluster.namespaces for p in netns_pids(ns)
                     if proc_tree.is_alive(p)]
         thread.join(timeout=30)
         assert left == [], [(p, open(f"/proc/{p}/cmdline", "rb").read()) for p in left]

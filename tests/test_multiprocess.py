@@ -77,3 +77,17 @@ def test_calls_before_init_raise_value_error():
     proc = run_ranks([1], [sys.executable, "tests/scripts/before_init.py"], timeout=120)
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.strip().endswith("before-init checks passed")
+
+
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_python_engine_parks_when_idle_and_waiters_wake_it(transport):
+    env = {"AIAK_ENGINE": "python", "AIAK_IDLE_PARK_MS": "3000"}
+    script = [sys.executable, "tests/scripts/idle_park.py"]
+    if transport == "gloo":
+        proc = run_ranks([1], [sys.executable, "-m", "aiak_training.runner.launch", "--gloo",
+                               "-np", "2"] + script, env=env, timeout=120)
+    else:
+        proc = run_ranks([2], script, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert len(re.findall(r"rank \d: idle negotiations \d+, 10 allreduces", proc.stdout)) == 2, \
+        proc.stdout[-4000:]

@@ -25,10 +25,14 @@ PARALLEL = os.path.join(REPO, "tests", "parallel")
 sys.path.insert(0, os.path.join(REPO, "examples"))
 import digits_train  # noqa: E402
 from launch import aiakrun_digits_result  # noqa: E402
+sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
+import elastic_exact  # noqa: E402
+from elastic_support import check_epochs  # noqa: E402
 
 # The actors cannot import this file or examples/: ship their code by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 cloudpickle.register_pickle_by_value(digits_train)
+cloudpickle.register_pickle_by_value(elastic_exact)
 
 # The op/dtype matrix of tests/parallel/test_torch_ops.py that runs on the Ray workers.
 OPS_SELECTION = ("rank_and_size or local_and_cross or every_dtype_and_op or prescale_postscale "
@@ -54,6 +58,93 @@ def executor(cluster):
     ex.start(extra_env_vars={"AIAK_TEST_LAYOUT": "2,2"})
     yield ex
     ex.shutdown()
+
+
+# ---- the elastic form ---------------------------------------------------------------------
+# These run before the module's fixed-size executor exists, on the module's cluster with
+# cpus_per_worker=3: one slot per node.  They replace the second node, so the later tests
+# still find two nodes of 3 CPUs.
+ELASTIC_ENV = {"EPOCHS": "5", "STEP_SLEEP": "0.1", "COMMIT_EVERY": "2",
+               "HOROVOD_GLOO_TIMEOUT_SECONDS": "20"}
+
+
+def _elastic_exact(env):
+    os.environ.update(env)
+    return elastic_exact.main()
+
+
+def _progress(path):
+    try:
+        with open(path) as f:
+            steps, size = f.read().split()
+        return int(steps), int(size)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def _wait_progress(path, done, what, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if done(*_progress(path)):
+            return _progress(path)
+        time.sleep(0.05)
+    raise AssertionError(f"no {what} within {timeout} s (progress {_progress(path)})")
+
+
+def test_elastic_job_survives_a_lost_node_and_grows_onto_a_new_one(cluster, tmp_path):
+    progress = str(tmp_path / "progress")
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=1, max_workers=2,
+                     cpus_per_worker=3, elastic_timeout=30)
+    ex.start()
+    outcome = {}
+
+    def run():
+        try:
+            outcome["results"] = ex.run(_elastic_exact, args=[dict(ELASTIC_ENV,
+                                                                   PROGRESS=progress)])
+        except BaseException as exc:  # reported below
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    try:
+        _wait_progress(progress, lambda steps, size: steps >= 4 and size == 2,
+                       "4 committed steps on 2 nodes")
+        cluster.remove_node(next(iter(cluster.worker_nodes)))
+        lost_at = _progress(progress)[0]
+        _wait_progress(progress, lambda steps, size: size == 1 and steps > lost_at + 2,
+                       "progress on the surviving node")
+        cluster.add_node(num_cpus=3)
+        _wait_progress(progress, lambda steps, size: size == 2, "growth onto the new node")
+        runner.join(timeout=90)
+        assert not runner.is_alive(), "the elastic run did not finish"
+    finally:
+        ex.shutdown()
+    assert "error" not in outcome, outcome.get("error")
+    results = outcome["results"]
+    assert [r["rank"] for r in results] == [0, 1] and all(r["size"] == 2 for r in results)
+    history = results[0]["history"]
+    sizes = [h[1] for h in history]
+    # 2 ranks, then the survivor alone, then 2 again: no committed step was lost.
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2
+    check_epochs(history, elastic_exact.N_SAMPLES, int(ELASTIC_ENV["EPOCHS"]))
+    assert results[0]["params"] == results[1]["params"] == elastic_exact.replay(history)
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+
+
+def test_elastic_job_with_fewer_than_min_workers_fails_in_elastic_timeout(cluster):
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=3,
+                     cpus_per_worker=3, elastic_timeout=3)
+    ex.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RayWorkerError,
+                           match=r"elastic job failed: only 2 slot\(s\) usable, fewer than "
+                                 r"the min_workers of 3, for 3 s \(elastic_timeout\)"):
+            ex.run(_elastic_exact, args=[ELASTIC_ENV])
+    finally:
+        ex.shutdown()
+    assert time.monotonic() - start < 30
 
 
 def _layout():
@@ -156,14 +247,25 @@ def test_more_workers_than_the_cluster_has(cluster):
         RayExecutor(settings, num_workers=9).start()
 
 
-def test_elastic_arguments_raise_clear_errors():
+def test_elastic_argument_checks():
     settings = RayExecutor.create_settings()
-    with pytest.raises(NotImplementedError, match="elastic"):
-        RayExecutor(settings, min_workers=1, max_workers=4)
     with pytest.raises(ValueError, match="min_workers"):
         RayExecutor(settings, max_workers=4)
+    with pytest.raises(ValueError, match="Both `min_workers` and `num_workers`"):
+        RayExecutor(settings, min_workers=1, num_workers=2)
     with pytest.raises(ValueError, match="num_workers must be num_hosts x"):
         RayExecutor(settings, num_workers=3, num_hosts=2)
+    with pytest.raises(ValueError, match=r"max_workers=1\): must be an integer >= min_workers"):
+        RayExecutor(settings, min_workers=2, max_workers=1)
+    with pytest.raises(ValueError, match=r"cooldown_range=\[5, 1\]"):
+        RayExecutor(settings, min_workers=1, cooldown_range=[5, 1])
+    with pytest.raises(ValueError, match="reset_limit=-1"):
+        RayExecutor(settings, min_workers=1, reset_limit=-1)
+    ex = RayExecutor(settings, min_workers=1, max_workers=2)
+    with pytest.raises(RuntimeError, match="call start"):
+        ex.run(os.getpid)
+    with pytest.raises(NotImplementedError, match="elastic form"):
+        ex.run_remote(os.getpid)
 
 
 def _kill_rank_1_mid_collective():

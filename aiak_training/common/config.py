@@ -65,6 +65,12 @@ class Config:
     # Which engine runs the background loop: "native" (C++, csrc/engine/) or "python" (the
     # fallback, kept for one release).  AIAK_ENGINE.
     engine: str = "native"
+    # Python engine only: after a few cycles with nothing of this rank's own in flight, the
+    # engine thread parks for up to this long (0: never), and a thread that waits on a handle
+    # wakes it.  Each idle negotiation is a collective; over Gloo one costs hundreds of
+    # microseconds and a wake-up of Gloo's worker thread, which on a busy host competes with
+    # the training thread for the cores.  AIAK_IDLE_PARK_MS.
+    idle_park_ms: float = 5.0
 
     def __setattr__(self, name: str, value) -> None:
         # A running native engine holds copies of some settings (fusion threshold, ...): it
@@ -98,4 +104,5 @@ class Config:
                                            cls.collective_timeout_s, minimum=0.0),
             liveness_probe=env_bool("AIAK_LIVENESS_PROBE", True),
             engine=env_choice("AIAK_ENGINE", "native", ("native", "python")),
+            idle_park_ms=env_float("AIAK_IDLE_PARK_MS", cls.idle_park_ms, minimum=0.0),
         )

@@ -14,18 +14,19 @@ from aiak_training.ray.worker import BaseHorovodWorker
 
 
 class ElasticRayExecutor:
-    """Horovod's elastic Ray executor: not available until aiak_training has elastic training."""
+    """Horovod's older elastic Ray executor (deprecated there): use
+    ``RayExecutor(settings, min_workers=..., max_workers=...)`` instead."""
 
     def __init__(self, *args, **kwargs):
         raise NotImplementedError(
-            "ElasticRayExecutor needs aiak_training's elastic training (hvd.elastic with Gloo "
-            "worlds that re-form when workers come and go), which is not available yet; use "
-            "RayExecutor(num_workers=...) for a fixed-size job.")
+            "ElasticRayExecutor (deprecated in Horovod) is not provided; use "
+            "RayExecutor(settings, min_workers=..., max_workers=...), the elastic form of "
+            "RayExecutor (docs/ray.md).")
 
     @staticmethod
     def create_settings(*args, **kwargs):
-        raise NotImplementedError("ElasticRayExecutor is not available yet (no elastic "
-                                  "training in aiak_training); use RayExecutor.create_settings.")
+        raise NotImplementedError("ElasticRayExecutor is not provided; use "
+                                  "RayExecutor.create_settings and RayExecutor(min_workers=...).")
 
 
 __all__ = ["RayExecutor", "BaseHorovodWorker", "ElasticRayExecutor", "MiniSettings",

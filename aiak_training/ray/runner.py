@@ -78,8 +78,11 @@ class RayExecutor:
     (Horovod 0.28.1 rejects that combination).  Inside an existing placement group (e.g. a Ray
     Tune trial) the workers use it unless ``use_current_placement_group=False``.
 
-    The elastic form (``min_workers``/``max_workers``) raises NotImplementedError: it needs
-    aiak_training's elastic mode, which has not landed yet.
+    With ``min_workers`` (and optionally ``max_workers``) the job is elastic: the workers are
+    placed on the live Ray nodes, the job continues from its last commit when a node is lost
+    (while ``min_workers`` remain) and grows onto nodes that join (see
+    :mod:`aiak_training.ray.elastic`).  The function must be an elastic training function
+    (``hvd.elastic.run``).
     """
 
     @classmethod
@@ -119,12 +122,15 @@ class RayExecutor:
         if min_workers and num_workers:
             raise ValueError("Both `min_workers` and `num_workers` provided. Only one of the "
                              "above is allowed as workloads cannot be elastic and non-elastic.")
+        self._elastic = None
         if min_workers is not None:
-            raise NotImplementedError(
-                "RayExecutor(min_workers=..., max_workers=...) is Horovod's elastic mode on "
-                "Ray; it needs aiak_training's elastic training (hvd.elastic with Gloo worlds "
-                "that re-form when workers come and go), which is not available yet. Use "
-                "num_workers= or num_hosts=/num_workers_per_host= for a fixed-size job.")
+            from aiak_training.ray.elastic import check_elastic_arguments
+            cooldown = check_elastic_arguments(min_workers, max_workers, reset_limit,
+                                               cooldown_range, elastic_timeout)
+            if num_hosts is not None:
+                raise ValueError("RayExecutor(min_workers=..., num_hosts=...): an elastic job "
+                                 "places its workers on whatever nodes are alive; leave "
+                                 "num_hosts unset.")
         if gpus_per_worker and not use_gpu:
             raise ValueError("gpus_per_worker is set, but use_gpu is False. use_gpu must be "
                              "True if gpus_per_worker is set.")
@@ -160,9 +166,14 @@ class RayExecutor:
         self._store = None
         self._started = False
         try:
-            settings.elastic = False
+            settings.elastic = min_workers is not None
         except AttributeError:
             pass
+        if min_workers is not None:
+            from aiak_training.ray.elastic import ElasticRayJob
+            self._elastic = ElasticRayJob(self, min_workers, max_workers, reset_limit,
+                                          cooldown, elastic_timeout, override_discovery,
+                                          kill=kill_actors, error_cls=RayWorkerError)
 
     # ---- public API ---------------------------------------------------------------------
     @property
@@ -186,6 +197,11 @@ class RayExecutor:
             engine_jobs.pickled(executable_cls, "executable_cls")
         if not ray.is_initialized():
             ray.init()  # as Horovod: a local cluster when none is running
+        if self._elastic is not None:
+            # Elastic workers are started per world by the driver inside run()/execute().
+            self._elastic.start(payload, extra_env_vars or {})
+            self._started = True
+            return
         try:
             self._place_workers()
             self._setup_environment(extra_env_vars or {})
@@ -204,22 +220,35 @@ class RayExecutor:
         non-elastic executor, not called.
         """
         self._check_callbacks(callbacks)
-        return self._gather(self._submit(engine_jobs.pickled(fn, "function")), "execute")
+        payload = engine_jobs.pickled(fn, "function")
+        if self._elastic is not None:
+            self._require_started()
+            return self._elastic.run(payload)
+        return self._gather(self._submit(payload), "execute")
 
     def run(self, fn: Callable[..., Any], args: Optional[List] = None,
             kwargs: Optional[Dict] = None,
             callbacks: Optional[List[Callable]] = None) -> List[Any]:
-        """``fn(*args, **kwargs)`` on every worker; the results in rank order."""
+        """``fn(*args, **kwargs)`` on every worker; the results in rank order (in the
+        elastic form: of the last world's ranks)."""
         self._check_callbacks(callbacks)
-        return self._gather(self._submit(self._call_payload(fn, args, kwargs)), "run")
+        payload = self._call_payload(fn, args, kwargs)
+        if self._elastic is not None:
+            self._require_started()
+            return self._elastic.run(payload)
+        return self._gather(self._submit(payload), "run")
 
     def run_remote(self, fn: Callable[..., Any], args: Optional[List] = None,
                    kwargs: Optional[Dict] = None) -> List[Any]:
         """As :meth:`run`, but returns the workers' ObjectRefs (rank order) at once."""
+        if self._elastic is not None:
+            raise self._elastic.unsupported("run_remote()")
         return self._submit(self._call_payload(fn, args, kwargs))
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(executable)`` on the rank 0 worker only; its result."""
+        if self._elastic is not None:
+            raise self._elastic.unsupported("execute_single()")
         self._require_started()
         payload = engine_jobs.pickled(fn, "function")
         return self._gather([self._workers[0].actor._aiak_execute.remote(payload)],
@@ -229,22 +258,9 @@ class RayExecutor:
         """Kill every worker actor, release the placement group and stop the rendezvous
         store.  Returns once Ray reports the actors dead (at most about 15 s)."""
         workers, self._workers = self._workers, []
-        for w in workers:
-            try:
-                ray.kill(w.actor, no_restart=True)
-            except Exception:  # already gone
-                pass
-        deadline = time.monotonic() + _SHUTDOWN_WAIT_S
-        for w in workers:
-            # A call to a killed actor fails once Ray has marked it dead.
-            try:
-                ray.get(w.actor._aiak_identity.remote(),
-                        timeout=max(0.1, deadline - time.monotonic()))
-            except ray.exceptions.RayActorError:
-                pass
-            except ray.exceptions.GetTimeoutError:
-                log.warning("aiak_training.ray: %s was not reported dead within %.0f s of "
-                            "shutdown()", w.where(), _SHUTDOWN_WAIT_S)
+        kill_actors([w.actor for w in workers], [w.where() for w in workers])
+        if self._elastic is not None:
+            self._elastic.shutdown()
         if self._pg is not None and self._own_pg:
             try:
                 remove_placement_group(self._pg)
@@ -404,6 +420,26 @@ class RayExecutor:
                         f"aiak_training.ray: {workers[i].where()} died during {what}: "
                         f"{_first_line(exc)}", rank=workers[i].rank) from exc
         return results
+
+
+def kill_actors(actors: List[Any], names: List[str]) -> None:
+    """``ray.kill`` every actor; return once Ray reports them dead (at most about 15 s)."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+    deadline = time.monotonic() + _SHUTDOWN_WAIT_S
+    for actor, name in zip(actors, names):
+        # A call to a killed actor fails once Ray has marked it dead.
+        try:
+            ray.get(actor._aiak_identity.remote(),
+                    timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:
+            pass
+        except ray.exceptions.GetTimeoutError:
+            log.warning("aiak_training.ray: %s was not reported dead within %.0f s of "
+                        "shutdown()", name, _SHUTDOWN_WAIT_S)
 
 
 def _first_line(exc: BaseException) -> str:

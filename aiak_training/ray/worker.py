@@ -71,6 +71,23 @@ class BaseHorovodWorker:
             mpi4py.rc.initialize = False
             mpi4py.rc.finalize = False
 
+    def _aiak_elastic_run(self, env: Dict[str, str], executable_payload: bytes,
+                          payload: bytes):
+        """Be one elastic worker: ``("ok", fn(executable))``, or ``("exit", code)`` when the
+        driver sends this worker away (its node left the job, or the job ended without it).
+        Its rank changes from world to world, so the notes name the worker id instead."""
+        self._aiak_set_rank(env.get("AIAK_ELASTIC_WORKER_ID", "?"), env)
+        # aiak_training may have been imported before the environment made this process an
+        # elastic worker; its world must come from the driver from the first hvd.init() on.
+        from aiak_training.elastic.worker import install_world_source
+        install_world_source()
+        self._aiak_start_executable(executable_payload)
+        try:
+            return "ok", self._aiak_execute(payload)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            return "exit", code
+
     def _aiak_start_executable(self, payload: bytes) -> None:
         try:
             self.start_executable(*cloudpickle.loads(payload))
@@ -85,6 +102,9 @@ class BaseHorovodWorker:
     def _note(self, exc: BaseException) -> None:
         # The note travels inside Ray's error text (the remote traceback), so the driver's
         # exception names the rank without changing the user's exception type.
+        # An elastic worker's rank changes from world to world: it is named by its id.
+        who = f"rank {self._rank}" if isinstance(self._rank, int) else \
+            f"elastic worker {self._rank}"
         if hasattr(exc, "add_note"):
-            exc.add_note(f"aiak_training.ray: raised on rank {self._rank} "
+            exc.add_note(f"aiak_training.ray: raised on {who} "
                          f"(host {self.hostname()}, pid {os.getpid()})")

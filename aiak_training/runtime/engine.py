@@ -45,6 +45,8 @@ class Engine:
         self._static_sets = [list(s) for s in static_process_sets]
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        # True while the engine thread is parked (see _pause): a waiter then wakes it.
+        self._parked = False
         self._ready = threading.Event()
         self._sets: Dict[int, SetState] = {}
         self._next_set_id = 1
@@ -235,10 +237,15 @@ class Engine:
         return self.enqueue(set_id, [req], [entry])[0]
 
     def poll(self, handle: int) -> bool:
-        return self.handles.poll(handle)
+        done = self.handles.poll(handle)
+        if not done and self._parked:
+            self._wake.set()
+        return done
 
     def wait(self, handle: int) -> Handle:
         """Block until the handle completes, then forget it.  Raises on failure."""
+        if self._parked:
+            self._wake.set()
         return self.handles.wait(handle)
 
     def wait_result(self, handle: int):
@@ -249,6 +256,8 @@ class Engine:
         """Block until at least one of ``handles`` completes; return all that have, in the
         order given.  They stay registered: :meth:`wait` then returns their results without
         blocking.  ``[]`` when ``handles`` is empty or ``timeout`` passes first."""
+        if self._parked:
+            self._wake.set()
         return self.handles.wait_any(handles, timeout)
 
     def handle_event(self, handle: int) -> int:
@@ -339,7 +348,7 @@ class Engine:
             return
         reason = hs.SHUT_DOWN
         try:
-            cycle_s = self.config.cycle_time_ms / 1000.0
+            idle_cycles = 0
             while True:
                 started = time.monotonic()
                 self.cycle_started = started
@@ -349,13 +358,46 @@ class Engine:
                     if why:
                         reason = f"{hs.SHUT_DOWN} ({why})"
                     break
-                remaining = cycle_s - (time.monotonic() - started)
-                if remaining > 0:
-                    self._wake.wait(remaining)
+                idle_cycles = 0 if self._has_local_work() else idle_cycles + 1
+                self._pause(started, idle_cycles)
         except BaseException as exc:  # noqa: BLE001 - every pending op must learn about it
             reason = self._failed(exc)
         finally:
             self._stop(reason)
+
+    #: Cycles in a row with nothing of this rank's own in flight before the engine parks.
+    IDLE_CYCLES_BEFORE_PARK = 1
+
+    def _has_local_work(self) -> bool:
+        """Whether this rank has submitted anything that is not complete yet."""
+        return any(state.entries or state.queue for state in list(self._sets.values()))
+
+    def _pause(self, started: float, idle_cycles: int) -> None:
+        """Wait out the rest of the cycle; park for up to ``idle_park_ms`` when idle.
+
+        Collectives are matched by order, not by time, so a rank may skip idle cycles
+        without its peers noticing more than a delay: a peer that has work waits in the next
+        negotiation until this rank joins it, at the latest when the park ends, or as soon
+        as a thread here waits on a handle (which is when this rank's requests are ready).
+        """
+        cfg = self.config
+        cycle_s = cfg.cycle_time_ms / 1000.0
+        park_s = cfg.idle_park_ms / 1000.0
+        if idle_cycles >= self.IDLE_CYCLES_BEFORE_PARK and park_s > cycle_s:
+            self._wake.clear()
+            self._parked = True
+            # A shutdown, a wait() or a submission racing with the flag above: re-check, so
+            # a wake-up set before clear() is not lost for a whole park.
+            if not self._shutdown_requested and not self._has_local_work():
+                self._wake.wait(park_s - (time.monotonic() - started))
+            self._parked = False
+            self._wake.clear()  # the cycles that follow keep their pace
+            if self._shutdown_requested:
+                self._wake.set()
+            return
+        remaining = cycle_s - (time.monotonic() - started)
+        if remaining > 0:
+            self._wake.wait(remaining)
 
     def _failed(self, exc: BaseException) -> str:
         """Log an exception of the engine's thread; return (and keep) the failure reason

@@ -9,6 +9,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the installation
     raise ImportError("aiak_training.spark needs pyspark, which is not installed: "
                       "pip install 'aiak-training[spark]' (pyspark 4.3)") from _exc
 
-from aiak_training.spark.runner import SparkRankError, run, run_elastic
+from aiak_training.spark.elastic import ElasticJobError, run_elastic
+from aiak_training.spark.runner import SparkRankError, run
 
-__all__ = ["run", "run_elastic", "SparkRankError"]
+__all__ = ["run", "run_elastic", "SparkRankError", "ElasticJobError"]

@@ -69,11 +69,16 @@ class _Control:
                         return
                 except ValueError:
                     return
-                for raw in self.rfile:
-                    try:
-                        control._on_message(json.loads(raw))
-                    except ValueError:
-                        continue
+                try:
+                    for raw in self.rfile:
+                        try:
+                            control._on_message(json.loads(raw), self)
+                        except ValueError:
+                            continue
+                except OSError:
+                    pass
+                finally:
+                    control._on_closed(self)
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -85,7 +90,10 @@ class _Control:
                                         name="aiak-spark-control")
         self._thread.start()
 
-    def _on_message(self, msg: Dict[str, Any]) -> None:
+    def _on_closed(self, conn) -> None:
+        """A task's connection ended (the elastic form watches its tasks this way)."""
+
+    def _on_message(self, msg: Dict[str, Any], conn=None) -> None:
         kind = msg.get("kind")
         if kind == "line":
             stream = self._streams.get(msg.get("stream"), self._streams["stdout"])
@@ -121,6 +129,10 @@ class _Reporter:
         with self._lock:
             self._sock.sendall(data)
 
+    def orders(self):
+        """Lines the driver sends back on this connection (the elastic form's orders)."""
+        return self._sock.makefile("rb")
+
     def close(self) -> None:
         try:
             self._sock.close()
@@ -150,6 +162,34 @@ def _pump(stream, reporter: _Reporter, rank: int, name: str) -> None:
     stream.close()
 
 
+def _start_rank_process(job: Dict[str, Any], payload_path: str, result_path: str,
+                        env: Dict[str, str], reporter: _Reporter, label) -> tuple:
+    """Start one rank's fresh Python (``engine_child``) with its output forwarded under
+    ``label``; returns the process and the threads pumping its output."""
+    proc = subprocess.Popen(
+        [job["executable"] or sys.executable, "-m", "aiak_training.runner.engine_child",
+         payload_path, result_path],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent_hook())
+    pumps = [threading.Thread(target=_pump, args=(s, reporter, label, n), daemon=True)
+             for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+    for t in pumps:
+        t.start()
+    return proc, pumps
+
+
+def _finish_rank_process(proc, pumps, result_path: str) -> tuple:
+    """Wait for the rank's process; ``(exit code, the pickled outcome or None)``."""
+    code = proc.wait()
+    for t in pumps:
+        t.join(timeout=5)
+    outcome = None
+    if os.path.exists(result_path):
+        with open(result_path, "rb") as f:
+            outcome = f.read()
+    return code, outcome
+
+
 def _rank_task(job: Dict[str, Any]):
     """The barrier task: agree on ranks, run this rank's process, report, yield its result."""
     def task(_partition):
@@ -176,22 +216,9 @@ def _rank_task(job: Dict[str, Any]):
             with open(payload_path, "wb") as f:
                 f.write(job["payload"])
             reporter.send(kind="started", rank=rank, time=time.time())
-            proc = subprocess.Popen(
-                [job["executable"] or sys.executable, "-m", "aiak_training.runner.engine_child",
-                 payload_path, result_path],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent_hook())
-            pumps = [threading.Thread(target=_pump, args=(s, reporter, rank, n), daemon=True)
-                     for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
-            for t in pumps:
-                t.start()
-            code = proc.wait()
-            for t in pumps:
-                t.join(timeout=5)
-            outcome = None
-            if os.path.exists(result_path):
-                with open(result_path, "rb") as f:
-                    outcome = f.read()
+            code, outcome = _finish_rank_process(
+                *_start_rank_process(job, payload_path, result_path, env, reporter, rank),
+                result_path)
             if code == 0 and outcome is not None:
                 status = cloudpickle.loads(outcome)
                 yield rank, cloudpickle.dumps(status[1])
@@ -230,6 +257,35 @@ def _start_timeout(start_timeout: Optional[float]) -> float:
     return float(start_timeout)
 
 
+def active_context():
+    """The active SparkContext, or Horovod's error (its wording, so that existing checks on
+    it keep working)."""
+    import pyspark  # the package's __init__ already checked that it is installed
+    sc = pyspark.SparkContext._active_spark_context
+    if sc is None:
+        raise Exception("Could not find an active SparkContext, are you running in a "
+                        "PySpark session?")
+    return sc
+
+
+def prepare(sc, api: str, fn, args, kwargs, num_proc, start_timeout) -> tuple:
+    """Check what ``run``/``run_elastic`` were given; ``(num_proc, start timeout, payload)``
+    with the function and its arguments pickled before any task starts."""
+    if not callable(fn):
+        raise TypeError(f"aiak_training.spark.{api}: fn must be callable, got {fn!r}")
+    if num_proc is None:
+        num_proc = sc.defaultParallelism
+    if not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"aiak_training.spark.{api}(num_proc={num_proc!r}): must be a "
+                         "positive integer.")
+    timeout = _start_timeout(start_timeout)
+    engine_jobs.pickled(fn, "function")
+    payload = engine_jobs.pickled((fn, tuple(args or ()), dict(kwargs or {})),
+                                  "the args/kwargs of function",
+                                  name=getattr(fn, "__qualname__", repr(fn)))
+    return num_proc, timeout, payload
+
+
 def run(fn, args=(), kwargs={}, num_proc=None, start_timeout=None, use_mpi=None,
         use_gloo=None, extra_mpi_args=None, env=None, stdout=None, stderr=None, verbose=1,
         nics=None, prefix_output_with_timestamp=False, executable=None) -> List[Any]:
@@ -242,11 +298,7 @@ def run(fn, args=(), kwargs={}, num_proc=None, start_timeout=None, use_mpi=None,
     ``stdout``/``stderr`` receive the ranks' output (default: this process's).  The ranks use
     the Gloo mode: ``use_mpi=True`` and ``use_gloo=False`` are errors.
     """
-    import pyspark  # the package's __init__ already checked that it is installed
-    sc = pyspark.SparkContext._active_spark_context
-    if sc is None:  # Horovod's wording, so that existing checks on it keep working
-        raise Exception("Could not find an active SparkContext, are you running in a "
-                        "PySpark session?")
+    sc = active_context()
     if use_mpi:
         raise ValueError("aiak_training.spark.run(use_mpi=True): Spark tasks cannot form an "
                          "MPI world here; aiak_training.spark runs its ranks over Gloo only "
@@ -257,18 +309,7 @@ def run(fn, args=(), kwargs={}, num_proc=None, start_timeout=None, use_mpi=None,
     if extra_mpi_args:
         warnings.warn("aiak_training.spark.run: extra_mpi_args is ignored (the ranks run over "
                       "Gloo, not MPI)", stacklevel=2)
-    if not callable(fn):
-        raise TypeError(f"aiak_training.spark.run: fn must be callable, got {fn!r}")
-    if num_proc is None:
-        num_proc = sc.defaultParallelism
-    if not isinstance(num_proc, int) or num_proc < 1:
-        raise ValueError(f"aiak_training.spark.run(num_proc={num_proc!r}): must be a "
-                         "positive integer.")
-    timeout = _start_timeout(start_timeout)
-    engine_jobs.pickled(fn, "function")
-    payload = engine_jobs.pickled((fn, tuple(args or ()), dict(kwargs or {})),
-                                  "the args/kwargs of function",
-                                  name=getattr(fn, "__qualname__", repr(fn)))
+    num_proc, timeout, payload = prepare(sc, "run", fn, args, kwargs, num_proc, start_timeout)
 
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
@@ -345,14 +386,6 @@ def run(fn, args=(), kwargs={}, num_proc=None, start_timeout=None, use_mpi=None,
     finally:
         control.close()
         del store  # stops the rendezvous store
-
-
-def run_elastic(*args, **kwargs):
-    """Horovod's elastic Spark run: not available until aiak_training has elastic training."""
-    raise NotImplementedError(
-        "aiak_training.spark.run_elastic needs aiak_training's elastic training (hvd.elastic "
-        "with Gloo worlds that re-form when tasks come and go), which is not available yet; "
-        "use aiak_training.spark.run for a fixed number of ranks.")
 
 
 def _short(exc: BaseException) -> str:

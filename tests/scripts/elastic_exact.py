@@ -73,7 +73,7 @@ def replay(history) -> List[float]:
     return [float(v) for v in torch.cat([p.detach().reshape(-1) for p in model.parameters()])]
 
 
-def main() -> None:
+def main() -> dict:
     torch.set_num_threads(1)
     if os.environ.get("ELASTIC_EXACT_HOROVOD") == "1":
         # An unmodified Elastic Horovod script (aiakrun --horovod-compat).
@@ -129,11 +129,14 @@ def main() -> None:
     train(state)
     print(f"rank {hvd.rank()} of {hvd.size()} done: {len(state.history)} steps, "
           f"resets to sizes {resets}", flush=True)
+    params = [float(v) for v in torch.cat([p.detach().reshape(-1)
+                                           for p in state.model.parameters()])]
+    result = {"params": params, "history": state.history, "size": hvd.size()}
     if hvd.rank() == 0 and os.environ.get("OUT"):
-        params = [float(v) for v in torch.cat([p.detach().reshape(-1)
-                                               for p in state.model.parameters()])]
         with open(os.environ["OUT"], "w") as f:
-            json.dump({"params": params, "history": state.history, "size": hvd.size()}, f)
+            json.dump(result, f)
+    # Function jobs (Ray, Spark) take the result from the return value.
+    return dict(result, rank=hvd.rank())
 
 
 if __name__ == "__main__":

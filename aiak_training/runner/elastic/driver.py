@@ -43,6 +43,14 @@ class ElasticSettings:
     stop_grace: float = 10.0
     # Bound on a worker's start (until it first asks for a world): --start-timeout.
     start_timeout: float = 120.0
+    # Who speaks in the log, and what the settings are called there: the Ray and Spark
+    # front ends reuse this driver, and their users know keyword arguments, not flags.
+    log_prefix: str = "aiakrun"
+    names: Dict[str, str] = field(default_factory=dict)
+
+    def name(self, flag: str) -> str:
+        """The user's name for the setting aiakrun calls ``flag`` (e.g. ``--min-np``)."""
+        return self.names.get(flag, flag)
 
 
 @dataclass
@@ -80,12 +88,16 @@ class ElasticDriver:
 
     ``discover()`` returns ``{host: slots}`` (raising ``DiscoveryError``); ``spawn(wid, slot)``
     starts a worker and returns its process; ``store`` is the rendezvous ``TCPStore``.
+    ``abort()``, asked at every discovery, returns a reason to fail the job at once (a front
+    end that knows no slot can ever come back), else None.
     """
 
     def __init__(self, settings: ElasticSettings, discover: Callable[[], Dict[str, int]],
                  spawn: Callable[[str, Slot], object], store, log: TextIO = sys.stderr,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 abort: Optional[Callable[[], Optional[str]]] = None):
         self.s = settings
+        self._abort = abort
         self._discover_fn = discover
         self._spawn = spawn
         self.store = store
@@ -114,7 +126,7 @@ class ElasticDriver:
     # -- logging --------------------------------------------------------------------------
 
     def info(self, message: str) -> None:
-        print(f"aiakrun: elastic: {message}", file=self._log, flush=True)
+        print(f"{self.s.log_prefix}: elastic: {message}", file=self._log, flush=True)
 
     # -- state queries --------------------------------------------------------------------
 
@@ -152,6 +164,9 @@ class ElasticDriver:
                 if self._error is not None:
                     return self._shutdown(1, self._error)
                 if now >= self._next_discovery and not self._finishing:
+                    self._error = self._abort() if self._abort is not None else None
+                    if self._error is not None:
+                        continue
                     self._discover()
                     self._next_discovery = now + self.s.discovery_interval
                 self._reap()
@@ -290,17 +305,19 @@ class ElasticDriver:
         # The first round waits for -np slots, unless a host already failed on the way.
         minimum = self.s.min_np if self.round or self.lost_hosts else \
             max(self.s.min_np, self.s.num_proc or 0)
-        flag = "-np" if minimum > self.s.min_np else "--min-np"
+        flag = self.s.name("-np" if minimum > self.s.min_np else "--min-np")
         if len(candidates) < minimum:
             if self._short_since is None:
                 self._short_since = now
                 self.info(f"{len(candidates)} slot(s) usable, fewer than the "
                           f"{flag} of {minimum}: waiting up to "
-                          f"{self.s.elastic_timeout:g} s (--elastic-timeout) for more hosts")
+                          f"{self.s.elastic_timeout:g} s "
+                          f"({self.s.name('--elastic-timeout')}) for more hosts")
             elif now - self._short_since > self.s.elastic_timeout:
                 self._error = (f"only {len(candidates)} slot(s) usable, fewer than the "
                                f"{flag} of {minimum}, for "
-                               f"{self.s.elastic_timeout:g} s (--elastic-timeout); "
+                               f"{self.s.elastic_timeout:g} s "
+                               f"({self.s.name('--elastic-timeout')}); "
                                f"lost hosts: {', '.join(self.lost_hosts) or 'none'}")
             return
         self._short_since = None
@@ -309,13 +326,14 @@ class ElasticDriver:
             for w in late:  # a worker that never asks (hung at start) is bounded too
                 if w.joins == 0 and now - w.started > self.s.start_timeout:
                     self._error = (f"{w.describe()} did not start within "
-                                   f"{self.s.start_timeout:g} s (--start-timeout)")
+                                   f"{self.s.start_timeout:g} s "
+                                   f"({self.s.name('--start-timeout')})")
             return
         if self.round:
             if self.s.reset_limit is not None and self.resets >= self.s.reset_limit:
                 self._error = (f"reset limit reached: the job was reset {self.resets} "
-                               f"time(s) and another reset is needed (--reset-limit "
-                               f"{self.s.reset_limit})")
+                               f"time(s) and another reset is needed "
+                               f"({self.s.name('--reset-limit')} {self.s.reset_limit})")
                 return
             self.resets += 1
         self.round += 1
@@ -333,6 +351,11 @@ class ElasticDriver:
         self.info(f"round {self.round}: {len(candidates)} rank(s) on "
                   + ", ".join(dict.fromkeys(w.host for w in candidates))
                   + (f" (reset {self.resets})" if self.resets else ""))
+
+    def final_workers(self) -> List[Worker]:
+        """The workers of the last round, in rank order (whose results a function job
+        returns)."""
+        return sorted((self.workers[w] for w in self.members), key=lambda w: w.rank)
 
     def _check_finished(self) -> Optional[DriverResult]:
         for worker in self.live():
@@ -384,7 +407,8 @@ class ElasticDriver:
         self._stop_all(grace=self.s.stop_grace, message=f"elastic job failed: {message}")
         if not quiet:
             # Last on the console, after the workers' own messages.
-            print(f"aiakrun: error: elastic job failed: {message}", file=self._log, flush=True)
+            print(f"{self.s.log_prefix}: error: elastic job failed: {message}", file=self._log,
+                  flush=True)
         return DriverResult(code, self.round, self.resets, list(self.lost_hosts), message)
 
 

@@ -17,6 +17,7 @@ from typing import Dict, List, Mapping, Optional
 from aiak_training.elastic import protocol
 from aiak_training.runner.elastic.discovery import DiscoveryError, HostDiscoveryScript
 from aiak_training.runner.elastic.driver import ElasticDriver, ElasticSettings
+from aiak_training.runner.elastic.function_job import worker_env
 from aiak_training.runner.elastic.hosts import Slot
 from aiak_training.runner.elastic.spawn import WorkerProcess, host_is_local, worker_argv
 
@@ -146,20 +147,13 @@ def run_elastic(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
             ["ssh", "-o", "BatchMode=yes"] + (["-p", str(args.ssh_port)] if args.ssh_port
                                               else []) + \
             (["-i", args.ssh_identity_file] if args.ssh_identity_file else [])
-        common = {"HOROVOD_ELASTIC": "1", "HOROVOD_CONTROLLER": "gloo",
-                  "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-                  protocol.PREFIX_ENV: settings.prefix, "PYTHONUNBUFFERED": "1",
-                  protocol.WAIT_ENV: f"{settings.elastic_timeout:g}"}
-
         def spawn(wid: str, slot: Slot) -> WorkerProcess:
             host = slot[0]
             local = host_is_local(host, virtual)
-            rank_env = dict(common)
-            rank_env.update({"HOROVOD_HOSTNAME": host, protocol.WORKER_ID_ENV: wid,
-                             "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1" if local and
-                             (virtual or addr == "127.0.0.1") else addr,
-                             "HOROVOD_GLOO_IFACE": set_vars.get("HOROVOD_GLOO_IFACE")
-                             or ("lo" if local and virtual else (iface or ""))})
+            rank_env = worker_env(settings, port, wid, host, "127.0.0.1" if local and
+                                  (virtual or addr == "127.0.0.1") else addr)
+            rank_env["HOROVOD_GLOO_IFACE"] = set_vars.get("HOROVOD_GLOO_IFACE") or \
+                ("lo" if local and virtual else (iface or ""))
             if not rank_env["HOROVOD_GLOO_IFACE"]:
                 del rank_env["HOROVOD_GLOO_IFACE"]
             argv = worker_argv(rank_setup.rank_command(args.command), host, rank_env, env, local,
