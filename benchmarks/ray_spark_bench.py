@@ -4,10 +4,13 @@ Figures (``ratios`` in the JSON; above 1 is better for aiak-training's engine pa
 
 * ``ray_vs_aiakrun_step``: median step time of the digits model (examples/digits_train.py,
   2 ranks) under ``aiakrun -np 2`` divided by the same under ``RayExecutor(num_workers=2)``.
-  Target >= 0.9.  aiakrun uses its default transport (MPI); the Ray workers use Gloo
-  (``--aiakrun-gloo`` adds ``aiakrun --gloo`` for a same-transport comparison).  Repetitions alternate aiakrun and Ray in this one launch; each repetition
-  trains ``--epochs`` epochs, the first epoch is warm-up, and the repetition's figure is the
-  median of rank 0's remaining step times.
+  Target >= 0.9.  Both use their default transport: MPI for aiakrun, and for the Ray
+  workers MPI where MPICH is installed (the JSON's ``machine.ray_transports`` says which).
+  ``--aiakrun-gloo`` adds ``aiakrun --gloo`` and a Ray executor over Gloo, and reports
+  ``ray_gloo_vs_aiakrun_gloo_step`` (the same ratio, both over Gloo).  Repetitions
+  alternate the variants in this one launch; each repetition trains ``--epochs`` epochs,
+  the first epoch is warm-up, and the repetition's figure is the median of rank 0's
+  remaining step times.
 * ``ray_start_s`` (reported, seconds): ``RayExecutor(num_workers=4).start()`` until it returns,
   i.e. all 4 actors placed, numbered and holding their environment (median of --reps).
 * ``spark_run_overhead_s`` (reported, seconds): from calling ``aiak_training.spark.run`` with
@@ -59,8 +62,8 @@ def main():
     p.add_argument("--spark-procs", type=int, default=2)
     p.add_argument("--skip-spark", action="store_true")
     p.add_argument("--aiakrun-gloo", action="store_true",
-                   help="also time `aiakrun --gloo` (the transport the Ray workers use) and "
-                        "report ray_vs_aiakrun_gloo_step, its step time over Ray's")
+                   help="also time `aiakrun --gloo` and Ray workers over Gloo "
+                        "(AIAK_RAY_TRANSPORT=gloo), and report ray_gloo_vs_aiakrun_gloo_step")
     p.add_argument("--json")
     args = p.parse_args()
 
@@ -85,21 +88,32 @@ def main():
     results.append(bench_common.summarize("ray_start_4_workers", {"workers": 4}, starts))
     ratios["ray_start_s"] = statistics.median(starts)
 
-    # ray_vs_aiakrun_step: alternating aiakrun and Ray repetitions.
-    ex = RayExecutor(settings, num_workers=2)
-    ex.start()
+    # ray_vs_aiakrun_step: alternating aiakrun and Ray repetitions.  The executor uses its
+    # default transport (MPI where MPICH is installed); --aiakrun-gloo adds a Gloo executor.
+    executors = {"ray_executor_2workers": RayExecutor(settings, num_workers=2)}
+    if args.aiakrun_gloo:
+        executors["ray_executor_gloo_2workers"] = RayExecutor(settings, num_workers=2)
+    transports = {}
     try:
-        def ray_step():
+        for name, ex in executors.items():
+            os.environ["AIAK_RAY_TRANSPORT"] = "gloo" if "gloo" in name else "auto"
+            ex.start()
+            transports[name] = ex.transport
+        os.environ.pop("AIAK_RAY_TRANSPORT")
+
+        def ray_step(ex):
             res = ex.run(digits_train.train, kwargs=dict(epochs=args.epochs, verbose=False))
             return _steps_median(res[0], args.epochs)
 
-        variants = {"aiakrun_mpi_2ranks": lambda: aiakrun_step(args.epochs),
-                    "ray_executor_2workers": ray_step}
+        variants = {"aiakrun_mpi_2ranks": lambda: aiakrun_step(args.epochs)}
+        for name, ex in executors.items():
+            variants[name] = lambda ex=ex: ray_step(ex)
         if args.aiakrun_gloo:
             variants["aiakrun_gloo_2ranks"] = lambda: aiakrun_step(args.epochs, gloo=True)
         times = bench_common.interleave(variants, reps=args.reps, warmup=1)
     finally:
-        ex.shutdown()
+        for ex in executors.values():
+            ex.shutdown()
     ray.shutdown()
     params = {"model": "digits MLP 64-128-64-10", "batch": 32, "ranks": 2,
               "epochs": args.epochs}
@@ -108,8 +122,9 @@ def main():
     ratios["ray_vs_aiakrun_step"] = (statistics.median(times["aiakrun_mpi_2ranks"])
                                      / statistics.median(times["ray_executor_2workers"]))
     if args.aiakrun_gloo:
-        ratios["ray_vs_aiakrun_gloo_step"] = (statistics.median(times["aiakrun_gloo_2ranks"])
-                                              / statistics.median(times["ray_executor_2workers"]))
+        ratios["ray_gloo_vs_aiakrun_gloo_step"] = (
+            statistics.median(times["aiakrun_gloo_2ranks"])
+            / statistics.median(times["ray_executor_gloo_2workers"]))
 
     if not args.skip_spark:
         from pyspark.sql import SparkSession
@@ -138,6 +153,7 @@ def main():
     except ImportError:
         pass
     machine["load_avg_1m"] = os.getloadavg()[0]
+    machine["ray_transports"] = transports
     bench_common.report("ray_spark", machine, results, ratios, args.json)
 
 

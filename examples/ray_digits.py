@@ -4,7 +4,8 @@
     python examples/ray_digits.py --num-workers 2              # a local Ray instance
     python examples/ray_digits.py --address auto --num-hosts 2 --workers-per-host 2
 
-The ranks are Ray actors and talk over aiak_training's Gloo mode.  The accuracy is the same
+The ranks are the Ray actors: one MPI world where MPICH is installed, else Gloo worlds
+(AIAK_RAY_TRANSPORT=mpi|gloo chooses).  The accuracy is the same
 as `aiakrun -np 2 python examples/pytorch_digits.py` (same seeds, shards and steps).
 """
 import argparse

@@ -51,11 +51,18 @@ def cluster():
     c.shutdown()
 
 
-@pytest.fixture(scope="module")
-def executor(cluster):
+@pytest.fixture(scope="module", params=["mpi", "gloo"])
+def executor(cluster, request):
+    """The 4-worker executor, once per transport: the actors as one MPI world (hydra started
+    by hand, the default where MPICH is installed) and as Gloo worlds."""
     settings = RayExecutor.create_settings(timeout_s=30)
     ex = RayExecutor(settings, num_workers=4, num_hosts=2)
-    ex.start(extra_env_vars={"AIAK_TEST_LAYOUT": "2,2"})
+    os.environ["AIAK_RAY_TRANSPORT"] = request.param
+    try:
+        ex.start(extra_env_vars={"AIAK_TEST_LAYOUT": "2,2"})
+    finally:
+        del os.environ["AIAK_RAY_TRANSPORT"]
+    assert ex.transport == request.param
     yield ex
     ex.shutdown()
 
@@ -153,7 +160,7 @@ def _layout():
     hvd.init()
     out = dict(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
                local_size=hvd.local_size(), cross_rank=hvd.cross_rank(),
-               cross_size=hvd.cross_size(), gloo=hvd.gloo_enabled(),
+               cross_size=hvd.cross_size(), gloo=hvd.gloo_enabled(), mpi=hvd.mpi_enabled(),
                node=ray_.get_runtime_context().get_node_id(), pid=os.getpid())
     hvd.shutdown()
     return out
@@ -162,7 +169,10 @@ def _layout():
 def test_topology_is_two_nodes_of_two_local_ranks(executor, cluster):
     layout = executor.run(_layout)
     assert [r["rank"] for r in layout] == [0, 1, 2, 3]
-    assert all(r["size"] == 4 and r["gloo"] for r in layout)
+    gloo = executor.transport == "gloo"
+    assert all(r["size"] == 4 and r["gloo"] == gloo and r["mpi"] != gloo for r in layout)
+    # The function ran in the actors themselves (it read the node id from Ray's context).
+    assert [r["pid"] for r in layout] == executor.run(os.getpid)
     nodes = [r["node"] for r in layout]
     # Ranks 0,1 share one node and 2,3 the other: taken from where Ray put the actors.
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3]
@@ -280,9 +290,13 @@ def _kill_rank_1_mid_collective():
     return "not reached"
 
 
-def test_killed_actor_is_an_error_naming_the_rank_and_shutdown_cleans_up(cluster):
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_killed_actor_is_an_error_naming_the_rank_and_shutdown_cleans_up(cluster, transport,
+                                                                          monkeypatch):
+    monkeypatch.setenv("AIAK_RAY_TRANSPORT", transport)
     ex = RayExecutor(RayExecutor.create_settings(timeout_s=10), num_workers=2)
     ex.start()
+    assert ex.transport == transport
     try:
         pids = ex.run(os.getpid)
         start = time.monotonic()
@@ -308,7 +322,27 @@ def test_digits_training_reaches_the_aiakrun_accuracy(cluster):
         results = ex.run(digits_train.train, kwargs=dict(epochs=epochs, verbose=False))
     finally:
         ex.shutdown()
-    assert [r["rank"] for r in results] == [0, 1] and all(r["gloo"] for r in results)
+    # The default transport where MPICH is installed: the actors form an MPI world.
+    assert ex.transport == "mpi"
+    assert [r["rank"] for r in results] == [0, 1] and not any(r["gloo"] for r in results)
     # Same seeds, shards and steps; a 2-rank sum is order-free: the same model, exactly.
     assert [(r["correct"], r["total"]) for r in results] == [(correct, total)] * 2
     assert correct / total > 0.8
+
+
+def test_transport_choice_and_its_errors(monkeypatch, tmp_path):
+    from aiak_training.ray.mpi_world import ray_transport
+    assert ray_transport({"AIAK_RAY_TRANSPORT": "gloo"}) == ("gloo", None)
+    transport, mpiexec = ray_transport({"PATH": os.environ["PATH"]})
+    assert transport == "mpi" and os.path.basename(mpiexec) in ("mpirun", "mpiexec")
+    with pytest.raises(ValueError, match=r"AIAK_RAY_TRANSPORT='nccl': expected auto, mpi or gloo"):
+        ray_transport({"AIAK_RAY_TRANSPORT": "nccl"})
+    # A launcher that is not MPICH's hydra: auto falls back to Gloo, mpi says why it cannot.
+    fake = tmp_path / "mpirun"
+    fake.write_text("#!/bin/sh\necho 'mpirun (Open MPI) 5.0.3'\n")
+    fake.chmod(0o755)
+    env = {"AIAK_MPIRUN": str(fake), "PATH": os.environ["PATH"]}
+    assert ray_transport(env) == ("gloo", None)
+    with pytest.raises(RuntimeError, match=r"AIAK_RAY_TRANSPORT=mpi, but the Ray workers cannot "
+                                           r"form an MPI world: .* is openmpi"):
+        ray_transport({**env, "AIAK_RAY_TRANSPORT": "mpi"})

@@ -2,10 +2,12 @@
 
 The driver reserves the workers' resources with a placement group, starts one actor per rank
 in it, numbers the ranks from where Ray put the actors (ranks on one node are contiguous, so
-local/cross ranks and hierarchical allreduce follow the real layout), starts the Gloo
-rendezvous store in the driver process and hands every actor its Horovod environment.  Ray
-actors are not started by an MPI launcher and cannot form an MPI world, so the ranks always
-use aiak_training's Gloo mode.
+local/cross ranks and hierarchical allreduce follow the real layout) and hands every actor its
+Horovod environment.  The ranks are the actors themselves, so the user's function runs in
+them with Ray's APIs at hand.  Where MPICH is installed the actors join one MPI world
+(``ray/mpi_world.py``: hydra started by hand, the native engine and every MPI feature);
+otherwise, or with ``AIAK_RAY_TRANSPORT=gloo``, they form Gloo worlds over a rendezvous store
+in the driver.  The elastic form (``min_workers``) always uses Gloo: its worlds change size.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ray.util.placement_group import (get_current_placement_group, placement_gro
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from aiak_training.runner import engine_jobs
+from aiak_training.ray.mpi_world import HydraWorld, new_key, ray_transport
 from aiak_training.ray.worker import BaseHorovodWorker
 
 log = logging.getLogger("aiak_training.ray")
@@ -164,6 +167,8 @@ class RayExecutor:
         self._pg = None
         self._own_pg = False
         self._store = None
+        self._hydra: Optional[HydraWorld] = None
+        self.transport: Optional[str] = None  # "mpi" or "gloo", decided by start()
         self._started = False
         try:
             settings.elastic = min_workers is not None
@@ -204,7 +209,8 @@ class RayExecutor:
             return
         try:
             self._place_workers()
-            self._setup_environment(extra_env_vars or {})
+            self.transport, mpiexec = ray_transport()
+            self._setup_environment(extra_env_vars or {}, mpiexec)
             self._gather([w.actor._aiak_start_executable.remote(payload) for w in self._workers],
                          "starting executable_cls")
             self._started = True
@@ -257,6 +263,11 @@ class RayExecutor:
     def shutdown(self) -> None:
         """Kill every worker actor, release the placement group and stop the rendezvous
         store.  Returns once Ray reports the actors dead (at most about 15 s)."""
+        if self._hydra is not None:
+            # First: mpiexec then ends its proxies and placeholders, and says nothing about
+            # the actors going next.  The actors' MPI is idle; they are killed below.
+            self._hydra.stop()
+            self._hydra = None
         workers, self._workers = self._workers, []
         kill_actors([w.actor for w in workers], [w.where() for w in workers])
         if self._elastic is not None:
@@ -347,7 +358,10 @@ class RayExecutor:
                 f"{_fmt(ray.cluster_resources())}. Ask for fewer workers, fewer CPUs/GPUs per "
                 f"worker, or add nodes.")
 
-    def _setup_environment(self, extra_env_vars: Dict[str, Any]) -> None:
+    def _setup_environment(self, extra_env_vars: Dict[str, Any],
+                           mpiexec: Optional[str]) -> None:
+        """Give every worker its rank's environment and, with ``mpiexec`` (MPICH's), make
+        the workers one MPI world; without it they form Gloo worlds at ``hvd.init()``."""
         # On one node every worker sees all of that node's GPUs of the job (as Horovod does),
         # so that CUDA IPC works between them and local_rank picks the device.
         gpu_env: Dict[str, str] = {}
@@ -357,21 +371,51 @@ class RayExecutor:
                 by_node.setdefault(w.node_id, []).extend(ids)
             gpu_env = {w.node_id: ",".join(str(i) for i in by_node[w.node_id])
                        for w in self._workers}
-        server, port = engine_jobs.start_store()
-        self._store = server
-        addr = ray.util.get_node_ip_address()
+        addr, port = "", 0
+        if mpiexec is None:
+            self._store, port = engine_jobs.start_store()
+            addr = ray.util.get_node_ip_address()
         nics = self._setting("nics", None)
-        timeout = None if "HOROVOD_GLOO_TIMEOUT_SECONDS" in extra_env_vars \
-            else self._setting("timeout_s", 30)
+        bound = "HOROVOD_GLOO_TIMEOUT_SECONDS" if mpiexec is None \
+            else "AIAK_COLLECTIVE_TIMEOUT_SECONDS"
+        timeout = None if bound in extra_env_vars else self._setting("timeout_s", 30)
         envs = engine_jobs.rank_envs([w.node_id for w in self._workers], addr, port,
-                                     timeout_s=timeout,
-                                     nics=sorted(nics) if nics else None, extra=extra_env_vars)
-        refs = []
+                                     timeout_s=timeout, nics=sorted(nics) if nics else None,
+                                     extra=extra_env_vars,
+                                     transport="gloo" if mpiexec is None else "mpi")
         for w, env in zip(self._workers, envs):
             if w.node_id in gpu_env:
                 env.setdefault("CUDA_VISIBLE_DEVICES", gpu_env[w.node_id])
-            refs.append(w.actor._aiak_set_rank.remote(w.rank, env))
-        self._gather(refs, "setting up the workers")
+        if mpiexec is not None:
+            self._join_mpi_world(mpiexec, envs)
+            return
+        self._gather([w.actor._aiak_set_rank.remote(w.rank, env)
+                      for w, env in zip(self._workers, envs)], "setting up the workers")
+
+    def _join_mpi_world(self, mpiexec: str, envs: List[Dict[str, str]]) -> None:
+        """Start hydra by hand: each node's first worker runs its node's proxy, and every
+        worker takes its rank's MPI identity from its placeholder (ray/mpi_world.py)."""
+        timeout_s = float(self._setting("timeout_s", 30))
+        key = new_key()
+        addrs = self._gather([w.actor._aiak_mpi_listen.remote(key) for w in self._workers],
+                             "opening the MPI rendezvous")
+        leaders: List[_Worker] = []
+        sizes: List[int] = []
+        for w in self._workers:  # ranks of one node are contiguous (see _place_workers)
+            if leaders and leaders[-1].node_id == w.node_id:
+                sizes[-1] += 1
+            else:
+                leaders.append(w)
+                sizes.append(1)
+        self._hydra = HydraWorld(mpiexec, sizes, {w.rank: tuple(a) for w, a in
+                                                  zip(self._workers, addrs)},
+                                 key, ray.util.get_node_ip_address(), timeout_s)
+        commands = self._hydra.start()
+        self._gather([w.actor._aiak_mpi_start_proxy.remote(cmd)
+                      for w, cmd in zip(leaders, commands)], "starting hydra's proxies",
+                     workers=leaders)
+        self._gather([w.actor._aiak_mpi_join.remote(w.rank, env, timeout_s)
+                      for w, env in zip(self._workers, envs)], "joining the MPI world")
 
     # ---- calls --------------------------------------------------------------------------
     def _require_started(self) -> None:

@@ -71,6 +71,30 @@ class BaseHorovodWorker:
             mpi4py.rc.initialize = False
             mpi4py.rc.finalize = False
 
+    # ---- joining an MPI world (aiak_training/ray/mpi_world.py) ------------------------------
+    def _aiak_mpi_listen(self, key: bytes) -> tuple:
+        """Open the endpoint this rank's hydra placeholder connects to; its (address, port)."""
+        from aiak_training.ray.mpi_world import PmiEndpoint
+        self._pmi = PmiEndpoint(key)
+        return ray.util.get_node_ip_address(), self._pmi.port
+
+    def _aiak_mpi_start_proxy(self, command: List[str]) -> int:
+        from aiak_training.ray.mpi_world import start_proxy
+        return start_proxy(command)
+
+    def _aiak_mpi_join(self, rank: int, env: Dict[str, str], timeout_s: float) -> None:
+        """Take this rank's MPI identity from its placeholder: the first ``hvd.init()`` here
+        then joins the job's MPI world."""
+        if "mpi4py.MPI" in sys.modules:
+            raise RuntimeError(
+                "aiak_training.ray: MPI was already initialized in this actor (something "
+                "imported mpi4py.MPI before the worker joined the job's MPI world), so it "
+                f"cannot become rank {rank}. Set AIAK_RAY_TRANSPORT=gloo, or import MPI only "
+                "inside the function the executor runs.")
+        identity = self._pmi.accept(timeout_s)
+        self._rank = rank
+        self.update_env_vars({**env, **identity})
+
     def _aiak_elastic_run(self, env: Dict[str, str], executable_payload: bytes,
                           payload: bytes):
         """Be one elastic worker: ``("ok", fn(executable))``, or ``("exit", code)`` when the

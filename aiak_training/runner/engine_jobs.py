@@ -54,29 +54,39 @@ def topology(hosts_by_rank: Sequence[str]) -> List[Dict[str, int]]:
 
 def rank_envs(hosts_by_rank: Sequence[str], addr: str, port: int, prefix: str = "",
               timeout_s: Optional[float] = None, nics: Optional[Sequence[str]] = None,
-              extra: Optional[Dict[str, Any]] = None) -> List[Dict[str, str]]:
-    """The environment of every rank: Horovod's identity variables and the Gloo rendezvous.
+              extra: Optional[Dict[str, Any]] = None,
+              transport: str = "gloo") -> List[Dict[str, str]]:
+    """The environment of every rank: Horovod's identity variables and, for ``transport``
+    "gloo", the Gloo rendezvous (for "mpi", ``addr``/``port``/``prefix`` are unused and
+    ``timeout_s`` becomes the collective watchdog's bound).
 
     ``extra`` (the user's variables) is applied last, so it may override anything.  Leave
     ``prefix`` empty when the store serves only this job: the ranks then key each world
     they form (every ``hvd.init()`` after a ``shutdown()``) by its sequence number, which a
     fixed prefix would not do.
     """
-    common = {
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-        "HOROVOD_SIZE": str(len(hosts_by_rank)),
-    }
-    if prefix:
-        common["AIAK_GLOO_STORE_PREFIX"] = prefix
-    if timeout_s is not None:
-        common["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(1, timeout_s)))
+    if transport == "mpi":
+        common = {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi",
+                  "HOROVOD_SIZE": str(len(hosts_by_rank))}
+        if timeout_s is not None:
+            common["AIAK_COLLECTIVE_TIMEOUT_SECONDS"] = str(int(max(1, timeout_s)))
+    else:
+        common = {
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+            "HOROVOD_SIZE": str(len(hosts_by_rank)),
+        }
+        if prefix:
+            common["AIAK_GLOO_STORE_PREFIX"] = prefix
+        if timeout_s is not None:
+            common["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(1, timeout_s)))
+        if nics:
+            # As Horovod: Gloo binds the first interface.
+            common["HOROVOD_GLOO_IFACE"] = list(nics)[0]
     if nics:
-        # As Horovod: Gloo binds the first interface; NCCL may use all of them.
-        common["HOROVOD_GLOO_IFACE"] = list(nics)[0]
-        common["NCCL_SOCKET_IFNAME"] = ",".join(nics)
+        common["NCCL_SOCKET_IFNAME"] = ",".join(nics)  # NCCL may use all of them
     envs = []
     for rank, (host, topo) in enumerate(zip(hosts_by_rank, topology(hosts_by_rank))):
         env = dict(common)

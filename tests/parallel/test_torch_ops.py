@@ -37,8 +37,11 @@ def test_rank_and_size_match_launcher():
         assert hvd.gloo_enabled() and not hvd.mpi_enabled() and not MPI.Is_initialized()
         assert not hvd.mpi_threads_supported()
         return
-    rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", 0)))
-    size = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", 1)))
+    # The launcher's word: MPICH's hydra or Open MPI; Ray actors joined to an MPI world
+    # (PMI_PORT mode, no PMI_RANK) have it from the executor as Horovod's variables.
+    env = os.environ
+    rank = int(env.get("PMI_RANK", env.get("OMPI_COMM_WORLD_RANK", env.get("HOROVOD_RANK", 0))))
+    size = int(env.get("PMI_SIZE", env.get("OMPI_COMM_WORLD_SIZE", env.get("HOROVOD_SIZE", 1))))
     assert (hvd.rank(), hvd.size()) == (rank, size)
     assert hvd.is_initialized()
     assert hvd.mpi_enabled() and hvd.mpi_built() and not hvd.gloo_enabled()
