@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from aiak_training.runner.mpi_flavour import Flavour, MpiNotFoundError, detect_launcher
@@ -79,39 +80,37 @@ def ray_transport(environ: Optional[Mapping[str, str]] = None) -> Tuple[str, Opt
 
 # ---- the actor's half ---------------------------------------------------------------------
 class PmiEndpoint:
-    """Where an actor waits for its placeholder: an authenticated TCP listener."""
+    """Where an actor waits for its placeholder: a TCP listener whose connection is
+    authenticated with the executor's key (``multiprocessing.connection``'s handshake).  The
+    connection stays open for the actor's life: when it closes, the placeholder exits and
+    hydra counts the rank as gone."""
 
     def __init__(self, key: bytes):
-        self._listener = Listener(("0.0.0.0", 0), authkey=key)
-        self._conn = None
+        self._key = key
+        self._server = socket.create_server(("0.0.0.0", 0))
+        self._conn: Optional[Connection] = None
 
     @property
     def port(self) -> int:
-        return int(self._listener.address[1])
+        return int(self._server.getsockname()[1])
 
     def accept(self, timeout_s: float) -> Dict[str, str]:
         """The placeholder's PMI identity; TimeoutError when it does not come in time."""
-        sock = self._listener._listener._socket  # Listener.accept has no timeout of its own
-        sock.settimeout(timeout_s)
+        self._server.settimeout(timeout_s)
         try:
-            self._conn = self._listener.accept()
-        except OSError as exc:  # socket.timeout is an OSError
+            sock, _ = self._server.accept()
+        except socket.timeout:
             raise TimeoutError(f"hydra's placeholder for this rank did not connect within "
-                               f"{timeout_s:g} s ({exc})") from None
+                               f"{timeout_s:g} s") from None
         finally:
-            sock.settimeout(None)
-        identity = self._conn.recv()
-        self._listener.close()
-        return identity
-
-    def close(self) -> None:
-        """Let the placeholder go (hydra then counts the rank as finished)."""
-        for thing in (self._conn, self._listener):
-            try:
-                if thing is not None:
-                    thing.close()
-            except OSError:
-                pass
+            self._server.close()
+        # Connection reads the raw descriptor, which must block; the placeholder sends the
+        # handshake and its identity as soon as it has connected.
+        sock.setblocking(True)
+        self._conn = Connection(sock.detach())
+        deliver_challenge(self._conn, self._key)
+        answer_challenge(self._conn, self._key)
+        return self._conn.recv()
 
 
 def start_proxy(command: Sequence[str]) -> int:
