@@ -65,8 +65,8 @@ class Config:
     # Which engine runs the background loop: "native" (C++, csrc/engine/) or "python" (the
     # fallback, kept for one release).  AIAK_ENGINE.
     engine: str = "native"
-    # Python engine only: after a few cycles with nothing of this rank's own in flight, the
-    # engine thread parks for up to this long (0: never), and a thread that waits on a handle
+    # Python engine only: after a cycle that ended with nothing of this rank's own in flight,
+    # the engine thread parks for up to this long (0: never), and a thread that waits on a handle
     # wakes it.  Each idle negotiation is a collective; over Gloo one costs hundreds of
     # microseconds and a wake-up of Gloo's worker thread, which on a busy host competes with
     # the training thread for the cores.  AIAK_IDLE_PARK_MS.

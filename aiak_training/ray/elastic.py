@@ -127,13 +127,11 @@ class ElasticRayJob:
         self.settings.start_timeout = float(self.ex._setting("timeout_s", 30))
         self._store, self._port = engine_jobs.start_store()
         self._addr = ray.util.get_node_ip_address()
-        nics = self.ex._setting("nics", None)
         env = {str(k): str(v) for k, v in extra_env_vars.items()}
         env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(self.ex._setting("timeout_s", 30)))
-        if nics:
-            names = sorted(nics)
-            env.setdefault("HOROVOD_GLOO_IFACE", names[0])
-            env.setdefault("NCCL_SOCKET_IFNAME", ",".join(names))
+        nics = self.ex._setting("nics", None)
+        for name, value in engine_jobs.nic_env(sorted(nics) if nics else None).items():
+            env.setdefault(name, value)  # the user's extra_env_vars win
         self._env = env
 
     def discover(self) -> Dict[str, int]:

@@ -399,14 +399,11 @@ class RayExecutor:
         key = new_key()
         addrs = self._gather([w.actor._aiak_mpi_listen.remote(key) for w in self._workers],
                              "opening the MPI rendezvous")
-        leaders: List[_Worker] = []
-        sizes: List[int] = []
-        for w in self._workers:  # ranks of one node are contiguous (see _place_workers)
-            if leaders and leaders[-1].node_id == w.node_id:
-                sizes[-1] += 1
-            else:
-                leaders.append(w)
-                sizes.append(1)
+        # One hydra proxy per node, started by the node's local rank 0 (ranks of one node are
+        # contiguous, see _place_workers, as hydra numbers them).
+        topo = engine_jobs.topology([w.node_id for w in self._workers])
+        leaders = [w for w, t in zip(self._workers, topo) if t["local_rank"] == 0]
+        sizes = [t["local_size"] for t in topo if t["local_rank"] == 0]
         self._hydra = HydraWorld(mpiexec, sizes, {w.rank: tuple(a) for w, a in
                                                   zip(self._workers, addrs)},
                                  key, ray.util.get_node_ip_address(), timeout_s)

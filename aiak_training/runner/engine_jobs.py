@@ -52,6 +52,18 @@ def topology(hosts_by_rank: Sequence[str]) -> List[Dict[str, int]]:
     return out
 
 
+def nic_env(nics: Optional[Sequence[str]], gloo: bool = True) -> Dict[str, str]:
+    """The variables that pin a job to ``nics``, in the order given (sort a set first): as
+    in Horovod, Gloo binds the first interface and NCCL may use all of them."""
+    if not nics:
+        return {}
+    names = list(nics)
+    env = {"NCCL_SOCKET_IFNAME": ",".join(names)}
+    if gloo:
+        env["HOROVOD_GLOO_IFACE"] = names[0]
+    return env
+
+
 def rank_envs(hosts_by_rank: Sequence[str], addr: str, port: int, prefix: str = "",
               timeout_s: Optional[float] = None, nics: Optional[Sequence[str]] = None,
               extra: Optional[Dict[str, Any]] = None,
@@ -82,11 +94,7 @@ def rank_envs(hosts_by_rank: Sequence[str], addr: str, port: int, prefix: str = 
             common["AIAK_GLOO_STORE_PREFIX"] = prefix
         if timeout_s is not None:
             common["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(1, timeout_s)))
-        if nics:
-            # As Horovod: Gloo binds the first interface.
-            common["HOROVOD_GLOO_IFACE"] = list(nics)[0]
-    if nics:
-        common["NCCL_SOCKET_IFNAME"] = ",".join(nics)  # NCCL may use all of them
+    common.update(nic_env(nics, gloo=transport != "mpi"))
     envs = []
     for rank, (host, topo) in enumerate(zip(hosts_by_rank, topology(hosts_by_rank))):
         env = dict(common)

@@ -348,7 +348,6 @@ class Engine:
             return
         reason = hs.SHUT_DOWN
         try:
-            idle_cycles = 0
             while True:
                 started = time.monotonic()
                 self.cycle_started = started
@@ -358,21 +357,17 @@ class Engine:
                     if why:
                         reason = f"{hs.SHUT_DOWN} ({why})"
                     break
-                idle_cycles = 0 if self._has_local_work() else idle_cycles + 1
-                self._pause(started, idle_cycles)
+                self._pause(started, idle=not self._has_local_work())
         except BaseException as exc:  # noqa: BLE001 - every pending op must learn about it
             reason = self._failed(exc)
         finally:
             self._stop(reason)
 
-    #: Cycles in a row with nothing of this rank's own in flight before the engine parks.
-    IDLE_CYCLES_BEFORE_PARK = 1
-
     def _has_local_work(self) -> bool:
         """Whether this rank has submitted anything that is not complete yet."""
         return any(state.entries or state.queue for state in list(self._sets.values()))
 
-    def _pause(self, started: float, idle_cycles: int) -> None:
+    def _pause(self, started: float, idle: bool) -> None:
         """Wait out the rest of the cycle; park for up to ``idle_park_ms`` when idle.
 
         Collectives are matched by order, not by time, so a rank may skip idle cycles
@@ -383,7 +378,7 @@ class Engine:
         cfg = self.config
         cycle_s = cfg.cycle_time_ms / 1000.0
         park_s = cfg.idle_park_ms / 1000.0
-        if idle_cycles >= self.IDLE_CYCLES_BEFORE_PARK and park_s > cycle_s:
+        if idle and park_s > cycle_s:
             self._wake.clear()
             self._parked = True
             # A shutdown, a wait() or a submission racing with the flag above: re-check, so

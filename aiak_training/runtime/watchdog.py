@@ -418,7 +418,7 @@ class Watchdog:
         # A cycle's age includes the idle sleep before the next one (HOROVOD_CYCLE_TIME, or
         # the Python engine's idle park).
         cfg = self._engine.config
-        allowance = timeout + max(cfg.cycle_time_ms, getattr(cfg, "idle_park_ms", 0.0)) / 1000.0
+        allowance = timeout + max(cfg.cycle_time_ms, cfg.idle_park_ms) / 1000.0
         poll = min(1.0, max(0.1, timeout / 10))
         next_query = 0.0
         while not self._closed.wait(poll):

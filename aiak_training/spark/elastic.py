@@ -230,10 +230,7 @@ def run_elastic(fn, args=(), kwargs={}, num_proc=None, min_np=None, max_np=None,
     job = dict(payload=payload, addr=driver_host, control_port=control.port,
                token=control.token, timeout=timeout, executable=None,
                env={k: str(v) for k, v in (env or {}).items()})
-    extra: Dict[str, str] = {}
-    if nics:
-        extra = {"HOROVOD_GLOO_IFACE": sorted(nics)[0],
-                 "NCCL_SOCKET_IFNAME": ",".join(sorted(nics))}
+    extra = engine_jobs.nic_env(sorted(nics) if nics else None)
     outcome: Dict[str, Any] = {}
 
     def spark_job() -> None:
