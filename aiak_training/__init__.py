@@ -38,5 +38,21 @@ def _defer_mpi_init_for_gloo() -> None:
         mpi4py.rc.finalize = False
 
 
+def _note_arrival_before_mpi_init() -> None:
+    """Under aiakrun, tell it that this rank is about to enter ``MPI_Init`` (which the first
+    import of ``mpi4py.MPI`` by this package runs), so that a rank that never gets there ends
+    the job after ``HOROVOD_START_TIMEOUT`` instead of leaving the others waiting.  A Gloo
+    job notes its arrival at the rendezvous instead (runtime/transport/gloo.py)."""
+    import os
+    import sys
+    if not os.environ.get("AIAK_NOTE_ARRIVAL") or "mpi4py.MPI" in sys.modules:
+        return
+    import mpi4py
+    if mpi4py.rc.initialize:  # MPI mode: MPI_Init is where the ranks meet
+        from aiak_training.common.exit_guard import note_arrival
+        note_arrival("MPI_Init")
+
+
 _request_mpi_thread_level()
 _defer_mpi_init_for_gloo()
+_note_arrival_before_mpi_init()

@@ -9,6 +9,13 @@ Conventions: docs/benchmarks/index.md (interleaved A B A B timing after warm-up,
           segment (header, int32 indices, values) plus the dense allreduces (1-D tensors).
   select  threshold selection on one 16M-element (2**24) float32 tensor at density 0.001
           (k = 16,778), single thread: torch.topk against DGC's sampled selection.
+  select-only
+          (also the flag --select-only) DGC's compress and decompress of the ResNet-50
+          gradient set on one device (--device cpu|cuda), density 0.001, SGD momentum 0.9
+          and weight decay 1e-4: momentum correction, selection, masking, packing the
+          slot-filled segment, and the scatter-add of that segment into the gradients, as
+          one rank sees them (no collective).  One rank.  On CUDA each repetition ends with a
+          device synchronize, so the time includes the device work.
   step    training steps of a ~25M-parameter MLP (1024-4096-4096-1024), batch 8 per rank,
           dense DistributedOptimizer against DGC at density 0.001 (steady state: warm-up off),
           both SGD momentum 0.9.  Meant for the emulated cluster (see below).
@@ -29,6 +36,12 @@ Ratios (above 1 means DGC is better):
   select_vs_topk_cpu          time of torch.topk(|x|, k) on a precomputed |x| (so the baseline
                               does not even pay for abs) divided by DGC's select_topk(x, k),
                               which includes abs.  Both single-threaded.  Target >= 3.
+  dgc_<device>_select_ms      select-only mode: median milliseconds of one compress plus
+                              decompress of the ResNet-50 set (dgc_cuda_select_ms: target
+                              <= 3 on one H100/H200).  On CPU the compiled kernels run; the
+                              torch-op path that runs on GPUs is timed on CPU as well
+                              (dgc_cpu_torchops_select_ms), with its selections checked
+                              against the compiled kernels'.
   step_speedup_1gbit          steps per second with DGC divided by steps per second with the
                               dense DistributedOptimizer, 4 ranks on the emulated 2 nodes x 2
                               ranks cluster at 1 Gbit/s.  Target >= 3.  (On a cluster of
@@ -40,6 +53,7 @@ Ratios (above 1 means DGC is better):
 Run::
 
     mpiexec -n 1 python benchmarks/dgc_bench.py --modes wire,select --json dgc.json
+    python3 benchmarks/dgc_bench.py --select-only --device cuda --json PATH
     python -m aiak_training.testing.cluster --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
         mpiexec -n 4 python benchmarks/dgc_bench.py --modes step --layout 2x2 --json step.json
     mpiexec -n 4 python benchmarks/dgc_bench.py --modes plot \\
@@ -80,6 +94,9 @@ def parse_args():
     p.add_argument("--link-gbit", type=float, default=None,
                    help="link rate for the header (default: AIAK_CLUSTER_LINK_GBIT)")
     p.add_argument("--plot", metavar="PNG", help="plot mode: output PNG")
+    p.add_argument("--select-only", action="store_true",
+                   help="run only the select-only mode (DGC compress + decompress, one device)")
+    p.add_argument("--device", default="cpu", help="select-only mode: cpu or cuda")
     p.add_argument("--epochs", type=int, default=30, help="plot mode: epochs")
     return p.parse_args()
 
@@ -196,6 +213,94 @@ def select_mode(args, results: List[Dict], ratios: Dict[str, float]) -> None:
     ratios["select_vs_topk_cpu"] = med["topk"] / med["ours"]
 
 
+# ---- select-only: compress and decompress on one device ----------------------------------------
+def _select_only_run(args, device: torch.device, grads: List[torch.Tensor], shapes):
+    """(times, sent pairs of the last rep) of DGC compress + decompress on ``device``."""
+    from aiak_training.dgc.exchange import add_slots
+    from aiak_training.dgc.wire import pack_slots
+    params = [torch.zeros(s, device=device, requires_grad=True) for s in shapes]
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(params, lr=0.01, momentum=0.9, weight_decay=1e-4),
+        named_parameters=[(f"p{i:03d}", p) for i, p in enumerate(params)],
+        compression=hvd.Compression.dgc(density=DENSITY, warmup_densities=()))
+    order = opt._dgc_sparse  # the compressed tensors, in exchange order
+    grad_of = {id(p): g for p, g in zip(params, grads)}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    last = []
+
+    def once():
+        import time
+        for p in order:  # the same gradient every time, outside the timed part
+            if p.grad is None:
+                p.grad = grad_of[id(p)].clone()
+            else:
+                p.grad.copy_(grad_of[id(p)])
+        sync()
+        t = time.perf_counter()
+        indices, values, sent, _ = opt._dgc_compress_all(DENSITY)
+        buf = pack_slots(indices, values, opt._dgc_header(indices))
+        outs = [p.grad.view(-1) for p in order]
+        torch._foreach_zero_(outs)
+        add_slots(buf, 1, outs, [int(i.numel()) for i in indices], [v.dtype for v in values])
+        sync()
+        last[:] = sent
+        return time.perf_counter() - t
+    return once, last, opt
+
+
+def select_only_mode(args, results: List[Dict], ratios: Dict[str, float]) -> None:
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    shapes = resnet50_shapes()
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    runs = {"native" if device.type == "cpu" and _kernels.native_available() else "torch":
+            _select_only_run(args, device, grads, shapes)}
+    if device.type == "cpu" and _kernels.native_available():
+        # The GPU code on CPU tensors: the compiled kernels switched off for these steps.
+        saved = _kernels.ext
+        _kernels.ext = None
+        try:
+            runs["torch"] = _select_only_run(args, device, grads, shapes)
+        finally:
+            _kernels.ext = saved
+
+    def timed_run(name):
+        once = runs[name][0]
+        if name == "torch" and "native" in runs:
+            saved = _kernels.ext
+            _kernels.ext = None
+            try:
+                return once()
+            finally:
+                _kernels.ext = saved
+        return once()
+    times = interleave({n: (lambda n=n: timed_run(n)) for n in runs}, reps=args.reps,
+                       warmup=args.warmup)
+    if "native" in runs:  # the same step sequence through both paths: the same pairs
+        for (i0, v0), (i1, v1) in zip(runs["native"][1], runs["torch"][1]):
+            assert torch.equal(i0, i1) and torch.equal(v0, v1), "device path differs"
+    opt = runs["torch"][2] if "torch" in runs else runs["native"][2]
+    base = {"device": str(device), "tensors_compressed": len(opt._dgc_sparse),
+            "elements_compressed": sum(p.numel() for p in opt._dgc_sparse),
+            "density": DENSITY,
+            "pairs": sum(int(i.numel()) for i, _ in runs[next(iter(runs))][1])}
+    if device.type == "cuda":
+        base["gpu"] = torch.cuda.get_device_name(device)
+    med = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+    for name in runs:
+        label = "compiled kernels" if name == "native" else "torch ops (the GPU path)"
+        results.append(summarize(f"dgc compress + decompress, ResNet-50 set, {label}",
+                                 {**base, "path": name}, times[name]))
+    if device.type == "cuda":
+        ratios["dgc_cuda_select_ms"] = 1e3 * med["torch"]
+    else:
+        if "native" in med:
+            ratios["dgc_cpu_select_ms"] = 1e3 * med["native"]
+        ratios["dgc_cpu_torchops_select_ms"] = 1e3 * med["torch"]
+
+
 # ---- step --------------------------------------------------------------------------------------
 def make_mlp(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -300,6 +405,8 @@ def main():
     load_before = os.getloadavg()[0]  # the machine is shared: record how busy it was
     hvd.init()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.select_only:
+        modes = ["select-only"]
     results: List[Dict] = []
     ratios: Dict[str, float] = {}
     extra: Dict = {}
@@ -309,6 +416,8 @@ def main():
         elif mode == "select":
             if hvd.rank() == 0:  # a single-thread kernel benchmark: one rank is enough
                 select_mode(args, results, ratios)
+        elif mode == "select-only":
+            select_only_mode(args, results, ratios)
         elif mode == "step":
             step_mode(args, results, ratios)
         elif mode == "plot":
@@ -319,6 +428,8 @@ def main():
         link = link_gbit(args.link_gbit)
         machine = machine_info(hvd.size(), args.layout, link)
         machine["dgc_scan_isa"] = _kernels.isa()
+        if args.device.startswith("cuda") and torch.cuda.is_available():
+            machine["gpu"] = torch.cuda.get_device_name()
         machine["loadavg_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
         report("dgc_bench", machine, results, ratios, args.json)
         if args.json and extra:

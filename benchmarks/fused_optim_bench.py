@@ -2,13 +2,15 @@
 """Fused optimizer benchmark: aiak_training.fused_optim against torch.optim, one process.
 
 Follows docs/benchmarks/index.md: every variant of a case is timed in the same run,
-interleaved (A B C ... A B C ...), after warm-up steps; the median of --reps repetitions is
-reported, with a table on stdout headed by the machine and, with --json PATH, the same figures
-as JSON.
+interleaved with the order rotated every repetition (A B C, B C A, ...), after warm-up
+steps; the median of --reps repetitions is reported, with a table on stdout headed by the
+machine and, with --json PATH, the same figures as JSON.
 
 Parameter sets
   resnet50  the 161 parameter tensors of torchvision's ResNet-50 (25,557,032 params), built
             from the architecture here (no torchvision needed).
+  host      161 one-element tensors (ResNet-50's tensor count, no memory traffic): a step's
+            time is its host cost.  Only with --cases ...,host; keys end in _host.
   large     a 1B-parameter GPT-style layout (20 layers, hidden 2048, 4x MLP, vocab 32000, so
             ~1.07B params) with the hidden size scaled down so that it holds about
             --large-params parameters (default 64M on CPU, 500M on CUDA): a few large
@@ -23,8 +25,20 @@ Variants (CPU; each has its own params, grads and states; grads are fixed random
   memcpy              dst.copy_(src) of a buffer as large as Adam's four fp32 arrays
                       (bandwidth counts bytes read + bytes written), same thread count
   inplace_scale       dst.mul_(1.0) over that buffer (in-place read + write)
-With --device cuda: fused_adam, torch_adam_fused, torch_adam_foreach, and a device-to-device
-copy, timed with CUDA events.
+With --device cuda: fused_adam, torch_adam_fused, torch_adam_foreach, a device-to-device copy
+and an in-place scale.  Each timed step is measured twice at once:
+  host    wall time of the step() call on the host (the time to issue its work), taken while
+          the GPU is still busy with a long sleep kernel queued just before, so that no launch
+          waits for the device;
+  device  CUDA events recorded before and after the step on the current stream.  The sleep
+          kernel ahead of them means the step's kernels are all queued when the first one
+          starts, so the span holds no host gaps: it is the device time alone.
+The sleep is calibrated to be several times longer than a step's host time; each result
+records whether it did cover the host time (host_hidden).
+
+GPU check interface (benchmarks/gpu_check.sh):
+  python3 benchmarks/fused_optim_bench.py --device cuda --json benchmarks/results/X.json
+  [--cases resnet50,large] [--large-params 5e8] [--reps 7]
 """
 import argparse
 import json
@@ -43,7 +57,7 @@ import aiak_training.fused_optim as fo  # noqa: E402
 
 RATIO_HELP = """\
 ratios (a value above 1 means aiak is better; keys without a suffix are from the resnet50
-case, keys ending in _large from the large case):
+case, keys ending in _large from the large case, _host from the host case):
   adam_vs_torch_fused_cpu       torch Adam(fused=True) median step time / FusedAdam median
                                 step time.  Target >= 1.0.
   adam_vs_torch_forloop_cpu     torch Adam(foreach=False) time / FusedAdam time.  Target >= 3.
@@ -57,9 +71,14 @@ case, keys ending in _large from the large case):
                                 over the same buffer (8 bytes per element): a stricter
                                 ceiling, since a copy's destination costs extra write-allocate
                                 reads that the bytes count does not include.  No target.
-  adam_vs_torch_fused_cuda      (--device cuda) torch Adam(fused=True) time / FusedAdam time.
+  adam_vs_torch_fused_cuda_host   (--device cuda) torch Adam(fused=True) host issue time /
+                                FusedAdam host issue time.  Target >= 1.0.
+  adam_vs_torch_fused_cuda_device (--device cuda) the same with device times.  Target >= 1.0.
+  adam_vs_torch_fused_cuda      (--device cuda) the smaller of the two above (>= 1.0 means
+                                both targets are met).
   adam_bandwidth_fraction_cuda  (--device cuda) FusedAdam bytes/s / device-to-device copy
-                                bandwidth (and ..._vs_inplace_cuda as on CPU).
+                                bandwidth, both by device time (and ..._vs_inplace_cuda as on
+                                CPU).
 """
 
 ADAM_BYTES = 28  # fp32: read p, g, m, v; write p, m, v
@@ -133,7 +152,38 @@ def machine_info(device: str) -> Dict:
 class Variant:
     def __init__(self, name: str, fn: Callable[[], None], bytes_moved: int, params: Dict):
         self.name, self.fn, self.bytes_moved, self.params = name, fn, bytes_moved, params
-        self.times: List[float] = []
+        self.times: List[float] = []        # CPU: wall time; CUDA: device time (events)
+        self.host_times: List[float] = []   # CUDA: host issue time
+        self.hidden: List[bool] = []        # CUDA: the sleep covered the host issue time
+
+
+def sleep_cycles_for(seconds: float) -> int:
+    """GPU clock cycles that torch.cuda._sleep needs to keep the device busy ~``seconds``."""
+    probe = 10_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(probe)  # warm-up: module load
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    per_s = probe / (start.elapsed_time(end) / 1e3)
+    return int(per_s * seconds)
+
+
+def time_cuda_step(v: "Variant", sleep_cycles: int, sleep_s: float) -> None:
+    """One step of v: host issue time with the GPU kept busy, and device time by events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(sleep_cycles)  # the device is busy while the step is issued
+    start.record()
+    t0 = time.perf_counter()
+    v.fn()
+    host = time.perf_counter() - t0
+    end.record()
+    end.synchronize()
+    v.host_times.append(host)
+    v.times.append(start.elapsed_time(end) / 1e3)
+    v.hidden.append(host < sleep_s)
 
 
 def make_adam_like(make_opt, shapes, device, dtype=torch.float32, seed=0):
@@ -157,7 +207,7 @@ def run_case(case: str, shapes, args) -> List[Variant]:
         vs.append(Variant(name, fn, nbytes, dict(common, bytes=nbytes, **extra)))
 
     add("fused_adam", make_adam_like(lambda ps: fo.FusedAdam(ps, lr=1e-3), shapes, dev),
-        ADAM_BYTES * n, impl="aiak FusedAdam", isa=fo.cpu_isa() if dev == "cpu" else "cuda")
+        ADAM_BYTES * n, impl="aiak FusedAdam", isa=fo.cpu_isa(torch.get_num_threads()) if dev == "cpu" else "cuda")
     add("torch_adam_fused", make_adam_like(lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True), shapes, dev),
         ADAM_BYTES * n, impl="torch.optim.Adam(fused=True)")
     if dev == "cpu":
@@ -186,15 +236,24 @@ def run_case(case: str, shapes, args) -> List[Variant]:
         for _ in range(args.warmup):
             v.fn()
     sync()
-    for _ in range(args.reps):  # interleaved: A B C ... A B C ...
+    sleep_cycles, sleep_s = 0, 0.0
+    if dev == "cuda":
+        # Keep the GPU busy for several times the slowest host issue time seen in warm-up.
+        longest = 0.0
         for v in vs:
+            t0 = time.perf_counter()
+            v.fn()
+            longest = max(longest, time.perf_counter() - t0)
+            sync()
+        sleep_s = max(0.02, 5 * longest)
+        sleep_cycles = sleep_cycles_for(sleep_s)
+    for rep in range(args.reps):
+        # Interleaved, and the order rotates every repetition (A B C, B C A, C A B, ...): on the
+        # 2-vCPU VMs a variant's place in the round moved its time by several percent.
+        k = rep % len(vs)
+        for v in vs[k:] + vs[:k]:
             if dev == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                v.fn()
-                end.record()
-                end.synchronize()
-                v.times.append(start.elapsed_time(end) / 1e3)
+                time_cuda_step(v, sleep_cycles, sleep_s)
             else:
                 t0 = time.perf_counter()
                 v.fn()
@@ -213,7 +272,9 @@ def main() -> int:
     ap.add_argument("--large-params", type=float, default=None,
                     help="parameter budget of the large case (default 64e6 on CPU, 5e8 on CUDA, "
                          "so that three optimizers and the copy buffers fit in 80 GB)")
-    ap.add_argument("--cases", default="resnet50,large", help="comma-separated subset of resnet50,large")
+    ap.add_argument("--cases", default="resnet50,large",
+                    help="comma-separated subset of resnet50,large,host (host: 161 one-element "
+                         "tensors, so a step's time is its host cost; not run by default)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args()
     if args.reps < 5:
@@ -225,17 +286,26 @@ def main() -> int:
     if args.large_params is None:
         args.large_params = 64e6 if args.device == "cpu" else 5e8
 
-    cases = {"resnet50": resnet50_shapes(), "large": large_shapes(int(args.large_params))}
+    cases = {"resnet50": resnet50_shapes(), "large": large_shapes(int(args.large_params)),
+             "host": [(1,)] * len(resnet50_shapes())}
     selected = [c.strip() for c in args.cases.split(",") if c.strip()]
     machine = machine_info(args.device)
     results, by_key = [], {}
     for case in selected:
         for v in run_case(case, cases[case], args):
             med = statistics.median(v.times)
-            by_key[(case, v.name)] = (med, v.bytes_moved)
-            results.append({"name": f"{case}/{v.name}", "params": v.params, "median_s": med,
-                            "min_s": min(v.times), "max_s": max(v.times), "reps": len(v.times)})
+            host = statistics.median(v.host_times) if v.host_times else None
+            by_key[(case, v.name)] = (med, v.bytes_moved, host)
+            row = {"name": f"{case}/{v.name}", "params": v.params, "median_s": med,
+                   "min_s": min(v.times), "max_s": max(v.times), "reps": len(v.times)}
+            if v.host_times:  # CUDA: median_s is the device time
+                row.update(timing="device time by CUDA events, GPU kept busy ahead",
+                           host_median_s=host, host_min_s=min(v.host_times),
+                           host_max_s=max(v.host_times), host_hidden=all(v.hidden))
+            results.append(row)
             del v
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     sfx = "cpu" if args.device == "cpu" else "cuda"
     ratios = {}
     for case in selected:
@@ -245,7 +315,15 @@ def main() -> int:
             return by_key[(case, name)][0]
 
         bw = lambda name: by_key[(case, name)][1] / by_key[(case, name)][0]  # noqa: E731
-        ratios[f"adam_vs_torch_fused_{sfx}{tail}"] = med("torch_adam_fused") / med("fused_adam")
+        if args.device == "cuda":
+            host = lambda name: by_key[(case, name)][2]  # noqa: E731
+            r_host = host("torch_adam_fused") / host("fused_adam")
+            r_dev = med("torch_adam_fused") / med("fused_adam")
+            ratios[f"adam_vs_torch_fused_cuda_host{tail}"] = r_host
+            ratios[f"adam_vs_torch_fused_cuda_device{tail}"] = r_dev
+            ratios[f"adam_vs_torch_fused_cuda{tail}"] = min(r_host, r_dev)
+        else:
+            ratios[f"adam_vs_torch_fused_cpu{tail}"] = med("torch_adam_fused") / med("fused_adam")
         if args.device == "cpu":
             ratios[f"adam_vs_torch_forloop_cpu{tail}"] = med("torch_adam_forloop") / med("fused_adam")
             ratios[f"sgd_vs_torch_foreach_cpu{tail}"] = med("torch_sgd_foreach") / med("fused_sgd")
@@ -256,14 +334,20 @@ def main() -> int:
     print("# fused_optim_bench")
     print(f"# machine: cores={machine['cores']} cpu={machine['cpu']!r} gpu={machine['gpu']} "
           f"mpi={machine['mpi']!r} torch={machine['torch']} ranks=1 layout=1x1")
-    print(f"# device={args.device} threads={torch.get_num_threads()} cpu_isa={fo.cpu_isa()} "
+    print(f"# device={args.device} threads={torch.get_num_threads()} cpu_isa={fo.cpu_isa(torch.get_num_threads())} "
           f"reps={args.reps} warmup={args.warmup} (interleaved; median/min/max per step)")
+    if args.device == "cuda":
+        print("# median/min/max: device time (CUDA events, GPU busy ahead); host ms: issue time")
     print(f"{'variant':<30} {'tensors':>7} {'params':>12} {'median ms':>10} {'min ms':>9} "
-          f"{'max ms':>9} {'GB/s':>7}")
+          f"{'max ms':>9} {'GB/s':>7}" + (f" {'host ms':>8}" if args.device == "cuda" else ""))
     for r in results:
         p = r["params"]
+        extra = ""
+        if "host_median_s" in r:
+            extra = f" {r['host_median_s'] * 1e3:>8.3f}" + ("" if r["host_hidden"] else " (not hidden)")
         print(f"{r['name']:<30} {p['tensors']:>7} {p['numel']:>12,} {r['median_s'] * 1e3:>10.2f} "
-              f"{r['min_s'] * 1e3:>9.2f} {r['max_s'] * 1e3:>9.2f} {p['bytes'] / r['median_s'] / 1e9:>7.2f}")
+              f"{r['min_s'] * 1e3:>9.2f} {r['max_s'] * 1e3:>9.2f} "
+              f"{p['bytes'] / r['median_s'] / 1e9:>7.2f}{extra}")
     print("ratios (>1 = aiak better; see --help):")
     for k, v in ratios.items():
         print(f"  {k:<40} {v:.3f}")

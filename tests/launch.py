@@ -30,6 +30,15 @@ def env_with(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+def clean_env(**extra: str) -> Dict[str, str]:
+    """This process's environment without AIAK_*/HOROVOD_* switches (so none leaks into a job a
+    test launches), with the checkout on PYTHONPATH and ``extra`` on top."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIAK_", "HOROVOD_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
 def mpi_command(nodes: Sequence[int], argv: List[str], virtual_hosts: bool) -> List[str]:
     """mpiexec argv for ranks laid out as ``nodes`` (ranks per node).
 

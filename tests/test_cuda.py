@@ -56,6 +56,9 @@ def test_batched_copy_kernel_copies_exactly():
         pytest.skip(f"CUDA kernel library not built: {kernels.error()}")
     torch.manual_seed(0)
     sizes = [0, 1, 3, 15, 16, 17, 4096, 4097, 1 << 20, (1 << 20) + 5] * 8  # 80 buffers
+    # One buffer larger than its run of blocks covers in one pass (the stride loop), among
+    # small ones that get a single block each.
+    sizes[13] = (40 << 20) + 3
     room = sum(sizes) + 40 * len(sizes)
     src = torch.randint(0, 256, (room,), dtype=torch.uint8, device="cuda")
     dst = torch.zeros(room, dtype=torch.uint8, device="cuda")

@@ -83,11 +83,12 @@ def test_fewer_than_min_np_fails_after_elastic_timeout_on_emulated_cluster(tmp_p
         assert f"aiakrun: error: elastic job failed: {shortfall}" in log, log[-4000:]
         # The surviving workers were waiting for their next world: each exits non-zero with
         # the reason.
-        assert log.count(f"ElasticJobStopped: elastic job failed: {shortfall}") == 2, \
+        assert log.count(f"worker.ElasticJobStopped: elastic job failed: {shortfall}") == 2, \
             log[-4000:]
+        # ... and each node's wrapper repeats that exception in its one-line report.
         for host in hosts[:2]:
-            assert re.search(rf"\[{re.escape(host)}:0\]: aiakrun: a rank \(host "
-                             rf"{re.escape(host)}\) exited with exit code 1", log), log[-4000:]
+            assert (f"[{host}:0]: aiakrun: a rank (host {host}) raised ElasticJobStopped: "
+                    f"elastic job failed: {shortfall} (exit code 1)") in log, log[-4000:]
 
 
 def test_reset_limit_stops_the_job_on_emulated_cluster(tmp_path):

@@ -293,7 +293,10 @@ def _rank_env(**extra: str) -> Dict[str, str]:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1",
            # Keep a hung test short; the cluster tests lower the watchdog's timeout too.
-           "AIAK_COLLECTIVE_TIMEOUT_SECONDS": str(WATCHDOG_S)}
+           "AIAK_COLLECTIVE_TIMEOUT_SECONDS": str(WATCHDOG_S),
+           # Over an impaired link a remote node's ranks may start tens of seconds after the
+           # local ones (lost connection attempts back off): not what these tests time.
+           "HOROVOD_START_TIMEOUT": "180"}
     env.update(extra)
     return env
 

@@ -429,6 +429,25 @@ def test_results_do_not_depend_on_thread_count(monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_multi_threaded_calls_take_avx2_on_amd():
+    """On AMD CPUs with AVX-512, calls on several threads run the AVX2 kernels (faster there);
+    a path forced by AIAK_FUSED_OPTIM_ISA runs at every thread count."""
+    code = ("import aiak_training.fused_optim as fo; "
+            "print(fo.cpu_isa(1), fo.cpu_isa(2), fo.cpu_isa(8))")
+    env = {k: v for k, v in os.environ.items() if k != "AIAK_FUSED_OPTIM_ISA"}
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    one, two, eight = out.stdout.split()
+    best = B.cpu_ext.supported_isas()[-1]
+    assert one == best
+    assert two == eight == ("avx2" if amd and best == "avx512" else best)
+    for forced in B.cpu_ext.supported_isas():
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(env, AIAK_FUSED_OPTIM_ISA=forced))
+        assert out.stdout.split() == [forced] * 3, out.stderr
+
+
 def test_thread_count_follows_torch(monkeypatch):
     monkeypatch.delenv("AIAK_FUSED_OPTIM_THREADS", raising=False)
     old = torch.get_num_threads()

@@ -200,3 +200,49 @@ def test_gpu_executor_logic_with_host_fakes(layout):
     proc = run_ranks(nodes, FAKE_SUITE, env=dict(SMALL, **env), virtual_hosts=virtual)
     assert proc.returncode == 0, proc.stdout[-6000:]
     check_rank_summaries(proc.stdout, sum(nodes))
+
+
+class _FakeCudart:
+    """Just enough of libcudart's C interface for :class:`cudart.Runtime`'s event pool: events
+    are numbered, records are logged as (event, stream)."""
+
+    def __init__(self):
+        self.records = []
+        self.created = 0
+
+        def create(ref, _flags):
+            self.created += 1
+            ref._obj.value = 0x1000 + self.created
+            return 0
+
+        def record(event, stream):
+            self.records.append((event.value, stream.value))
+            return 0
+        self.cudaEventCreateWithFlags = create
+        self.cudaEventRecord = record
+        self.cudaGetErrorString = lambda err: b"fake error"
+
+    def __getattr__(self, name):  # every other call succeeds and does nothing
+        def call(*_args):
+            return 0
+        setattr(self, name, call)
+        return call
+
+
+def test_shared_event_returns_to_the_pool_with_its_last_use():
+    """One event recorded for a whole call (or fused response) is handed out once per
+    tensor; it must not be reused, and so re-recorded, before every holder gave it back."""
+    from aiak_training.common.gpu.cudart import Runtime
+    lib = _FakeCudart()
+    rt = Runtime(lib, "fake")
+    shared = rt.record(7, uses=3)
+    assert lib.records == [(shared, 7)]
+    rt.event_put(shared)
+    rt.event_put(shared)
+    other = rt.record(8)  # two of three uses back: the pool must not hand it out yet
+    assert other != shared and lib.created == 2
+    rt.event_put(shared)
+    assert rt.record(9) == shared and lib.created == 2  # back in the pool, reused
+    rt.event_put(shared)
+    rt.event_put(other)
+    assert sorted([rt.event_get(), rt.event_get()]) == sorted([shared, other])

@@ -31,7 +31,7 @@ from aiak_training.runner.interrupt_filter import InterruptTracebackFilter
 from aiak_training.runner.launcher_output import BannerFilter
 from aiak_training.runner.liveness import LivenessServer, parse_value
 from aiak_training.runner.mpi_flavour import MpiNotFoundError, find_launcher
-from launch import netns_pids, processes_with, require_emulation
+from launch import clean_env, netns_pids, processes_with, require_emulation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "tests", "scripts", "launcher_faults.py")
@@ -40,11 +40,7 @@ HOST = socket.gethostname()
 
 
 def _env(**extra: str) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIAK_", "HOROVOD_"))}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
+    return clean_env(**{"OMP_NUM_THREADS": "1", **extra})
 
 
 def _wait_ready(out_dir: str, ranks: int, proc: subprocess.Popen, limit: float = 120) -> float:
@@ -313,11 +309,12 @@ def test_stuck_rank_after_stall_shutdown_ends_quickly(tmp_path) -> None:
     lines = err.rstrip().splitlines()
     # Rank 0 did not wait for the sleeping rank in MPI_Finalize; the summary names rank 1.
     assert "rank 0: MPI_Finalize did not return within 3 s" in err
+    # The cause closes the output; the ranks that ended because of it come before.
     assert lines[-2:] == [
+        f"aiakrun: also: rank 0 (host {HOST}) exited with exit code 1",
         f"aiakrun: job failed: rank 1 (host {HOST}) did not submit allreduce.never_matched, "
         "which rank 0 waited for until the stall check shut the job down "
-        "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS); the other ranks were stopped",
-        f"aiakrun: also: rank 0 (host {HOST}) exited with exit code 1"], err[-3000:]
+        "(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS); the other ranks were stopped"], err[-3000:]
     assert "BAD TERMINATION" not in out + err
     assert processes_with(marker) == []
 
@@ -332,11 +329,11 @@ def test_uneven_steps_blame_the_rank_that_finished(tmp_path) -> None:
     assert "MPI_Finalize did not return" not in err
     lines = err.rstrip().splitlines()
     assert lines[-2:] == [
+        f"aiakrun: also: rank 0 (host {HOST}) exited with exit code 1",
         f"aiakrun: job failed: rank 1 (host {HOST}) ended (the program called "
         "hvd.shutdown()) while rank 0 still waited in a collective; the ranks ran different "
         "numbers of steps? Every rank must make the same collective calls: give each rank "
-        "the same number of batches; the other ranks were stopped",
-        f"aiakrun: also: rank 0 (host {HOST}) exited with exit code 1"], err[-3000:]
+        "the same number of batches; the other ranks were stopped"], err[-3000:]
     assert "BAD TERMINATION" not in out + err
     assert processes_with(marker) == []
 
@@ -517,3 +514,186 @@ def test_sigkill_of_aiakrun_on_the_emulated_cluster(tmp_path) -> None:
         assert left == [], [(p, open(f"/proc/{p}/cmdline", "rb").read()) for p in left]
         assert processes_with(marker) == []
     assert prefix and leftovers(prefix) == []
+
+
+# ------------------------------------------------------------------------------------------
+# The cause in the summary (issue 30)
+
+SHUT_DOWN_TB = (
+    "Traceback (most recent call last):\n"
+    "  File \"train.py\", line 6, in <module>\n"
+    "    hvd.allreduce(torch.ones(3), name=\"x\")\n"
+    "  File \"/x/aiak_training/runtime/entries.py\", line 143, in wait\n"
+    "    raise HorovodInternalError(h.error)\n"
+    "aiak_training.common.exceptions.HorovodInternalError: Horovod has been shut down. This "
+    "was caused by an exception on one of the ranks\n")
+BOOM_TB = ("Traceback (most recent call last):\n"
+           "  File \"train.py\", line 5, in <module>\n"
+           "    raise ValueError(\"boom\")\n"
+           "ValueError: boom\n")
+
+
+def test_traceback_watch_notes_the_exception_and_cuts_secondary_tracebacks() -> None:
+    from aiak_training.runner.rank_traceback import CUT_NOTE, TracebackWatch
+    watch = TracebackWatch()
+    data = ("epoch 1\n" + SHUT_DOWN_TB + "after\n").encode()
+    # Fed in odd pieces, as pipes deliver it.
+    out = b"".join(watch.feed(data[i:i + 5]) for i in range(0, len(data), 5)) + watch.flush()
+    secondary = ("aiak_training.common.exceptions.HorovodInternalError: Horovod has been shut "
+                 "down. This was caused by an exception on one of the ranks")
+    assert out.decode() == "epoch 1\n" + secondary + CUT_NOTE.decode() + "\nafter\n"
+    assert watch.last.secondary
+    assert watch.last.line == ("HorovodInternalError: Horovod has been shut down. This was "
+                               "caused by an exception on one of the ranks")
+    before = time.time()
+    # Any other traceback passes whole; the latest exception (of a chain: the last) counts.
+    chained = BOOM_TB + "\nDuring handling of the above exception, another exception " \
+                        "occurred:\n\n" + BOOM_TB.replace("ValueError: boom", "pkg.mod.Oops: x")
+    assert watch.feed(chained.encode()) + watch.flush() == chained.encode()
+    assert (watch.last.line, watch.last.secondary) == ("Oops: x", False)
+    assert before <= watch.last.time <= time.time()
+    assert watch.feed(b"prompt> ") == b"prompt> "  # a partial line that is no traceback
+
+
+def test_first_cause_is_the_earliest_own_failure() -> None:
+    import io
+    from aiak_training.runner.failure import first_cause
+    from aiak_training.runner.supervise import JobResult, report
+    # Rank 0 ended first, on the consequence; rank 1 raised earlier but ended later (it
+    # waited in MPI_Finalize), rank 2 was killed after rank 1 raised.
+    victim = RankFailure(0, "h0", 1, 10.0, exception="HorovodInternalError: Horovod has been "
+                         "shut down.", raised_at=9.5, secondary=True)
+    raised = RankFailure(1, "h1", 1, 12.0, exception="ValueError: boom", raised_at=9.0)
+    killed = RankFailure(2, "h2", -9, 11.0)
+    assert first_cause([victim, killed, raised]) is raised
+    assert first_cause([victim, RankFailure(2, "h2", -9, 8.0), raised]).rank == 2
+    # A killed rank's peers may print their broken-connection errors a moment before its
+    # wrapper sees it end: a signal within SIGNAL_LEAD_S of an exception still comes first.
+    peer_error = RankFailure(0, "h0", 1, 9.2, exception="RuntimeError: Connection closed by "
+                             "peer", raised_at=9.0)
+    assert first_cause([peer_error, RankFailure(1, "h1", -9, 9.5)]).rank == 1
+    # An exit code is no signal: a rank that raised 0.5 s before another exited 1 is first.
+    assert first_cause([peer_error, RankFailure(1, "h1", 1, 9.5)]) is peer_error
+    assert first_cause([victim]) is victim and first_cause([]) is None
+    assert raised.describe() == "rank 1 (host h1) raised ValueError: boom (exit code 1)"
+    assert victim.describe() == "rank 0 (host h0) exited with exit code 1"
+    out = io.StringIO()
+    report(JobResult(1, 1, [victim, killed, raised]), "mpiexec", out)
+    assert out.getvalue().splitlines() == [
+        "aiakrun: also: rank 0 (host h0) exited with exit code 1",
+        "aiakrun: also: rank 2 (host h2) exited with signal SIGKILL",
+        "aiakrun: job failed: rank 1 (host h1) raised ValueError: boom (exit code 1); the "
+        "other ranks were stopped"]
+
+
+def test_start_watch_declares_the_ranks_that_never_arrived(tmp_path) -> None:
+    from aiak_training.common.records import drop_record
+    from aiak_training.runner.failure import read_failures, write_failure
+    from aiak_training.runner.start_watch import StartWatch, start_timeout
+    assert start_timeout({"HOROVOD_START_TIMEOUT": "30"}) == 30.0
+    assert start_timeout({"HOROVOD_START_TIMEOUT": "0"}) is None
+    assert start_timeout({}) is None and start_timeout({"HOROVOD_START_TIMEOUT": "x"}) is None
+    d = str(tmp_path)
+    watch = StartWatch(d, {0: "a", 1: "a", 2: "b"}, 5.0, "MPI_Init")
+    assert not watch.check(wall_now=1e12, force_read=True)  # nobody arrived: nothing timed
+    drop_record(d, "rank.0.1", ".arrival", {"rank": 0, "host": "a", "time": 100.0})
+    drop_record(d, "rank.2.1", ".arrival", {"rank": 2, "host": "b", "time": 101.0})
+    assert not watch.check(wall_now=104.9, force_read=True)
+    assert read_failures(d) == []
+    assert watch.check(wall_now=105.0, force_read=True)
+    assert [f.describe() for f in read_failures(d)] == [
+        "rank 1 (host a) did not reach MPI_Init (hvd.init()) within HOROVOD_START_TIMEOUT=5 s "
+        "after rank 0 did (still starting, stuck before hvd.init(), or ended without calling "
+        "it)"]
+    assert read_failures(d)[0].time == 105.0  # the deadline, which came before any fallout
+    assert not watch.check(wall_now=200.0, force_read=True)  # declared once
+    # A rank that failed by itself before arriving is not declared again.
+    other = tmp_path / "other"
+    other.mkdir()
+    write_failure(str(other), RankFailure(1, "a", 1, 102.0, exception="ImportError: x", raised_at=1.0))
+    drop_record(str(other), "rank.0.1", ".arrival", {"rank": 0, "host": "a", "time": 100.0})
+    assert not StartWatch(str(other), {0: "a", 1: "a"}, 5.0, "MPI_Init").check(
+        wall_now=200.0, force_read=True)
+
+
+BOOM = ("import torch, aiak_training.torch as hvd\n"
+        "hvd.init()\n"
+        "if hvd.rank() == 1:\n"
+        "    raise ValueError('boom')\n"
+        "hvd.allreduce(torch.ones(3), name='x')\n")
+
+
+@pytest.mark.parametrize("mode", [pytest.param([], id="mpi"), pytest.param(["--gloo"],
+                                                                             id="gloo")])
+def test_exception_is_the_last_line_and_output_is_short(mode, tmp_path) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text(BOOM)
+    proc = subprocess.run(AIAKRUN + mode + ["-np", "2", sys.executable, str(script)],
+                          env=_env(), capture_output=True, text=True, timeout=180, cwd=REPO,
+                          stdin=subprocess.DEVNULL)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
+    lines = proc.stderr.rstrip().splitlines()
+    host = "localhost" if mode else HOST
+    assert lines[-1] == (f"aiakrun: job failed: rank 1 (host {host}) raised ValueError: boom "
+                         "(exit code 1); the other ranks were stopped"), output
+    assert len(output.rstrip().splitlines()) <= 25, output
+    # The cause's traceback is shown once, whole; rank 0's consequence in one line.
+    assert output.count("Traceback (most recent call last):") == 1, output
+    assert "[1]     raise ValueError('boom')" in output
+    assert len([ln for ln in output.splitlines() if ln.startswith("[0]")
+                and "HorovodInternalError: Horovod has been shut down" in ln
+                and ln.endswith("[traceback not shown: a consequence of another rank's "
+                                "failure]")]) == 1, output
+
+
+def test_collective_mismatch_is_repeated_in_the_last_line() -> None:
+    code = ("import torch, aiak_training.torch as hvd\n"
+            "hvd.init()\n"
+            "hvd.allreduce(torch.ones(3 + hvd.rank()), name='x')\n")
+    proc = subprocess.run(AIAKRUN + ["-np", "2", sys.executable, "-c", code], env=_env(),
+                          capture_output=True, text=True, timeout=180, cwd=REPO,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, proc.stderr
+    assert re.fullmatch(
+        rf"aiakrun: job failed: rank [01] \(host {HOST}\) raised HorovodInternalError: "
+        r"Mismatched allreduce tensor shapes on tensor allreduce\.x: one rank sent a tensor of "
+        r"shape \[3\], but another rank sent a tensor of shape \[4\]\. \(exit code 1\); the "
+        r"other ranks were stopped", proc.stderr.rstrip().splitlines()[-1]), proc.stderr
+
+
+LATE = ("import os, sys, time\n"
+        "if os.environ.get('HOROVOD_RANK', os.environ.get('PMI_RANK')) == '1':\n"
+        "    time.sleep(300)  # {marker}\n"
+        "import aiak_training.torch as hvd\n"
+        "hvd.init()\n"
+        "print('UNEXPECTED: init returned', flush=True)\n")
+
+
+@pytest.mark.parametrize("mode", [pytest.param([], id="mpi"), pytest.param(["--gloo"],
+                                                                             id="gloo")])
+def test_rank_that_never_arrives_ends_the_job(mode, tmp_path) -> None:
+    marker = f"aiak_marker_{uuid.uuid4().hex}"
+    # aiakrun's run directory goes under tmp_path (TMPDIR), where the test can watch it.
+    proc = _start(mode + ["--start-timeout", "4", "-np", "2", sys.executable, "-c",
+                          LATE.format(marker=marker)], env=_env(TMPDIR=str(tmp_path)))
+    arrived_at = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None and arrived_at is None:
+        # Rank 0's arrival note starts the clock.
+        if any(n.endswith(".arrival") for _, _, names in os.walk(tmp_path) for n in names):
+            arrived_at = time.monotonic()
+        time.sleep(0.05)
+    out, err = _finish(proc, timeout=60)
+    assert arrived_at is not None, err
+    ended = time.monotonic() - arrived_at
+    assert proc.returncode == 1, err
+    stage = "the Gloo rendezvous" if mode else "MPI_Init"
+    host = "localhost" if mode else HOST
+    assert err.rstrip().splitlines()[-1] == (
+        f"aiakrun: job failed: rank 1 (host {host}) did not reach {stage} (hvd.init()) within "
+        "HOROVOD_START_TIMEOUT=4 s after rank 0 did (still starting, stuck before hvd.init(), "
+        "or ended without calling it); the other ranks were stopped"), err
+    assert ended < 4 + 10, ended
+    assert "UNEXPECTED" not in out
+    assert processes_with(marker) == []

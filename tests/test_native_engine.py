@@ -7,10 +7,13 @@ import pytest
 
 from launch import run_ranks
 
+# The barrier keeps a rank that is done from shutting down (which stops its peers' engines)
+# before every rank has read its engine.
 KIND = [sys.executable, "-c",
         "import aiak_training.torch as hvd; hvd.init(); "
         "import os; from aiak_training.runtime import current; "
-        "os.write(1, f'engine={current.engine().kind};'.encode())"]
+        "kind = current.engine().kind; hvd.barrier(); "
+        "os.write(1, f'engine={kind};'.encode())"]
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 4])

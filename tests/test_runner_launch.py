@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from aiak_training.common import build_info
-from launch import processes_with
+from launch import clean_env, processes_with
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Prints one line per rank in a single write, so MPI's per-chunk labels cannot split it.
@@ -20,12 +20,7 @@ PRINT_RANK = ("import os, sys; sys.stdout.write('rank=%s host=%s\\n' % "
               "os.environ.get('HOROVOD_HOSTNAME')))")
 
 
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("AIAK_", "HOROVOD_"))}  # no switches leaking in from outside
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
+_env = clean_env  # no switches leaking in from outside
 
 
 def aiakrun(*argv, timeout=60, env=None):

@@ -141,6 +141,32 @@ def _write_note(event: str, extra: dict) -> None:
     drop_record(directory, name, ".note", record)
 
 
+#: Set by aiakrun's task wrapper for the rank's program only: leave an arrival note.
+ARRIVAL_ENV = "AIAK_NOTE_ARRIVAL"
+ARRIVAL_SUFFIX = ".arrival"
+
+
+def note_arrival(stage: str) -> None:
+    """This rank reached the point where it waits for its peers (``MPI_Init``, the Gloo
+    rendezvous): aiakrun ends the job when a rank has not done so ``HOROVOD_START_TIMEOUT``
+    seconds after the first one did (runner/start_watch.py).  Only under aiakrun's task
+    wrapper, once per process."""
+    global _arrival_noted
+    if _arrival_noted or not os.environ.get(ARRIVAL_ENV):
+        return
+    _arrival_noted = True
+    directory = os.environ.get(FAILURE_DIR_ENV, "")
+    rank = _rank()
+    if rank is None:
+        return
+    record = {"rank": rank, "host": os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(),
+              "stage": stage, "time": time.time(), "pid": os.getpid()}
+    drop_record(directory, f"rank.{rank}.{os.getpid()}", ARRIVAL_SUFFIX, record)
+
+
+_arrival_noted = False
+
+
 # ---- the bounded exit ---------------------------------------------------------------------------
 def _mpi_to_finalize():
     """The ctypes ``MPI_Finalize`` of the MPI mpi4py loaded, if MPI is running; else None."""

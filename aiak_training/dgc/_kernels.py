@@ -120,19 +120,37 @@ def compensate(g: torch.Tensor, w: Optional[torch.Tensor], u: Optional[torch.Ten
                        DTYPE_CODES[v.dtype], float(momentum), float(dampening),
                        float(weight_decay), bool(nesterov), bool(first))
         return
+    compensate_many([g], None if w is None else [w], None if u is None else [u], [v],
+                    momentum, dampening, weight_decay, nesterov, first)
+
+
+def compensate_many(gs: Sequence[torch.Tensor], ws: Optional[Sequence[torch.Tensor]],
+                    us: Optional[Sequence[torch.Tensor]], vs: Sequence[torch.Tensor],
+                    momentum: float, dampening: float, weight_decay: float, nesterov: bool,
+                    first: bool) -> None:
+    """:func:`compensate` in torch ops for lists of tensors sharing the hyper-parameters:
+    foreach ops, so one kernel launch per stage for all of them on a GPU.
+
+    Every product is its own op, never ``add(alpha=...)``: torch fuses that into an FMA on
+    some devices and not on others, and the compiled kernel rounds the product first.  So
+    this gives the kernel's bits, on every device."""
     if weight_decay != 0:
-        g = g.add(w, alpha=weight_decay)
-    if u is None:
-        v.add_(g)
+        if ws is None:
+            raise ValueError("compensate: weight_decay needs w")
+        gs = torch._foreach_add(gs, torch._foreach_mul(ws, weight_decay))
+    if us is None:
+        torch._foreach_add_(vs, gs)
         return
     if first:
-        u.copy_(g)
+        torch._foreach_copy_(us, gs)
     else:
-        u.mul_(momentum).add_(g, alpha=1 - dampening)
+        torch._foreach_mul_(us, momentum)
+        torch._foreach_add_(us, torch._foreach_mul(gs, 1.0 - dampening))
     if nesterov:
-        v.add_(g).add_(u, alpha=momentum)
+        torch._foreach_add_(vs, gs)
+        torch._foreach_add_(vs, torch._foreach_mul(us, momentum))
     else:
-        v.add_(u)
+        torch._foreach_add_(vs, us)
 
 
 def compensate_select(g: torch.Tensor, w: Optional[torch.Tensor], u: Optional[torch.Tensor],
@@ -201,6 +219,6 @@ def isa() -> str:
     return ext.isa() if ext is not None else "torch"
 
 
-__all__: List[str] = ["select_topk", "scatter_add_segments", "compensate",
+__all__: List[str] = ["select_topk", "scatter_add_segments", "compensate", "compensate_many",
                       "compensate_select", "native_available", "isa",
                       "warn_once", "DTYPE_CODES", "COMPRESSIBLE_DTYPES"]

@@ -99,10 +99,27 @@ class DGCCompressor:
                                steps_per_epoch=self.steps_per_epoch)
 
     def compresses(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s gradient is sparsified (else it goes through the dense allreduce)."""
-        return (p.dim() > 1 and p.numel() >= max(self.min_numel, 1)
-                and p.dtype in _kernels.COMPRESSIBLE_DTYPES and p.device.type == "cpu"
+        """Whether ``p``'s gradient is sparsified (else it goes through the dense allreduce).
+
+        The device does not matter: CPU tensors use the compiled kernels, others the same
+        selection in torch ops (:mod:`aiak_training.dgc.device_select`)."""
+        return (self._compressible_shape(p) and p.dtype in _kernels.COMPRESSIBLE_DTYPES
                 and p.numel() < 2 ** 31)  # int32 indices
+
+    def _compressible_shape(self, p: torch.Tensor) -> bool:
+        return p.dim() > 1 and p.numel() >= max(self.min_numel, 1)
+
+    def check_parameter(self, p: torch.Tensor, name: str, rank_device: Optional[int]) -> None:
+        """Refuse what DGC cannot do exactly, naming the problem (``ValueError``).
+
+        * A matrix parameter in half precision: its residual and velocity would accumulate
+          in float16/bfloat16 and lose what DGC keeps for later, and going dense silently
+          would turn DGC off for the whole model.
+        * A CUDA parameter on another GPU than this rank's (``rank_device``): the exchange
+          runs on the rank's device, and its collectives take one device per process.
+        """
+        check_parameter(self, p.device, p.dtype, self._compressible_shape(p), name,
+                        rank_device)
 
     @_DefaultInstanceMethod
     def make_distributed_optimizer(self, optimizer: torch.optim.Optimizer, named_parameters=None,
@@ -132,3 +149,23 @@ class DGCCompressor:
                 f"momentum_masking={self.momentum_masking}, clip_norm={self.clip_norm}, "
                 f"local_clipping={self.local_clipping}, min_numel={self.min_numel}, "
                 f"fp16_values={self.fp16_values}, exact_topk={self.exact_topk})")
+
+
+def check_parameter(config: DGCCompressor, device: torch.device, dtype: torch.dtype,
+                    compressible_shape: bool, name: str, rank_device: Optional[int]) -> None:
+    """:meth:`DGCCompressor.check_parameter` on a parameter's device and dtype (apart, so
+    that the device rule can be checked without a GPU)."""
+    if compressible_shape and dtype in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"Compression.dgc: parameter {name!r} is {dtype}; DGC compresses float32 and "
+            "float64 parameters only (its residual would lose small values in half "
+            "precision).  Keep float32 parameters (mixed precision through torch.autocast), "
+            f"or raise min_numel above {name!r}'s size to send it dense.")
+    if device.type == "cuda" and rank_device is not None:
+        index = device.index if device.index is not None else rank_device
+        if index != rank_device:
+            raise ValueError(
+                f"Compression.dgc: parameter {name!r} is on cuda:{index}, but this rank "
+                f"uses cuda:{rank_device}; DGC runs on the rank's device.  Call "
+                "torch.cuda.set_device(hvd.local_rank()) before building the model, and keep "
+                "all its parameters there.")

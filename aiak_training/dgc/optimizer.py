@@ -1,11 +1,10 @@
 """The DGC distributed optimizer: Horovod's DistributedOptimizer with a sparse exchange.
 
 Built by :meth:`aiak_training.dgc.DGCCompressor.make_distributed_optimizer`, which
-``hvd.DistributedOptimizer(..., compression=hvd.Compression.dgc(...))`` calls.  Like Horovod's
-wrapper, the result is an instance of a class created on the fly from the wrapped optimizer's
-class, so ``isinstance(opt, type(original))`` holds; its methods are those of
-:class:`aiak_training.torch.optimizer._DistributedOptimizer`, with the ones below replacing
-them.
+``hvd.DistributedOptimizer(..., compression=hvd.Compression.dgc(...))`` calls.  DGC is a
+reduction strategy of the one distributed-optimizer wrapper (``aiak_training.torch.wrapper``):
+it extends the allreduce strategy, which still reduces the dense tensors, so the result is an
+instance of a subclass of the wrapped optimizer's class, as with Horovod.
 
 Per step, for every *compressed* tensor (see :meth:`DGCCompressor.compresses`), on each rank:
 
@@ -17,7 +16,9 @@ Per step, for every *compressed* tensor (see :meth:`DGCCompressor.compresses`), 
    initialised), and appear in ``optimizer.state_dict()["state"]`` as each tensor's
    ``dgc_velocity`` and ``dgc_residual``.
 3. Selection of the top ``ceil(density * numel)`` coordinates of ``|v|`` (sampled threshold,
-   exact refinement; :mod:`aiak_training.dgc._kernels`).
+   exact refinement): the compiled kernels on CPU tensors (:mod:`aiak_training.dgc._kernels`),
+   torch ops on the gradient's device otherwise (:mod:`aiak_training.dgc.device_select`, all
+   tensors in one batch, the counts read once per step).
 4. Their values are sent and removed from ``v`` (with fp16 values the rounding error stays in
    ``v``); momentum factor masking zeroes ``u`` there too.
 5. One allgather of every rank's pairs for all compressed tensors, scatter-add, then ``/ N``
@@ -34,23 +35,48 @@ weight decay from this wrapper, with ``momentum_buffer`` in the optimizer state 
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from aiak_training.common import horovod_strings as hs
 from aiak_training.runtime.process_sets import global_process_set
-from aiak_training.dgc import _kernels
+from aiak_training.dgc import _kernels, device_select
+from aiak_training.dgc import wire as wire_format
 from aiak_training.dgc.exchange import PendingExchange, sparse_allgather_async
 from aiak_training.torch.compression import Compression
 from aiak_training.torch.mpi_ops import Average, Sum
 from aiak_training.torch.optimizer import _DistributedOptimizer
+from aiak_training.torch.wrapper import wrap
 
 # Keys of an SGD-style param group (torch.optim.SGD, aiak_training.fused_optim.FusedSGD).
 # Only such groups have their momentum taken over: other optimizers (RMSprop also has a
 # "momentum" key) mean something else by it.
 _SGD_KEYS = ("momentum", "dampening", "nesterov", "weight_decay")
 _SUSPENDED = {"momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
+
+
+class _Pick(NamedTuple):
+    """One compressed tensor between selection and packing: its residual ``v`` and velocity
+    ``u`` (flat views), ``k`` slots, and either the compiled kernel's indices and path, or
+    (for tensors that device_select selects) the momentum correction still to run:
+    ``(g, w, (momentum, dampening, weight_decay, nesterov, first))``."""
+    v: torch.Tensor
+    u: Optional[torch.Tensor]
+    k: int
+    index: Optional[torch.Tensor]
+    path: Optional[int]
+    compensation: Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Tuple]]
+
+
+def _rank_cuda_device(params: List[torch.Tensor]) -> Optional[int]:
+    """This rank's GPU, if any parameter is on one: the one it already used for collectives,
+    else torch's current device (which scripts set to ``hvd.local_rank()``)."""
+    if not any(p.device.type == "cuda" for p in params):
+        return None
+    from aiak_training.torch import cuda as _cuda
+    used = _cuda.used_device()
+    return used if used is not None else torch.cuda.current_device()
 
 
 def _is_sgd_group(group: Dict[str, Any]) -> bool:
@@ -62,13 +88,11 @@ def _to_float(x: Any) -> float:
 
 
 class _DGCDistributedOptimizer(_DistributedOptimizer):
-    """Holder of the methods that replace ``_DistributedOptimizer``'s; never instantiated.
+    """The DGC strategy: compressed tensors go through one sparse allgather in
+    ``synchronize()``, dense ones through the allreduce strategy (``super()``).  The wrapped
+    optimizer is reached through ``_wrapped_step`` (see ``aiak_training.torch.wrapper``)."""
 
-    ``make_dgc_optimizer`` copies ``_DistributedOptimizer.__dict__`` and then this class's
-    ``__dict__`` into a new subclass of the wrapped optimizer's class, as Horovod does.  The
-    methods therefore reach the wrapped optimizer through ``super(self.__class__, self)`` and
-    ``_DistributedOptimizer``'s own methods through explicit ``_DistributedOptimizer.f(self)``.
-    """
+    _aiak_overlap_ok = False  # its synchronize() and hooks are not the allreduce ones
 
     def __init__(self, params, named_parameters, config, backward_passes_per_step, op,
                  gradient_predivide_factor, process_set):
@@ -82,13 +106,26 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
         self._dgc_state: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
         self._dgc_stats: Dict[str, Any] = {}
         self._dgc_sent: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._dgc_headers: Dict[Any, torch.Tensor] = {}
         all_params = [p for group in params for p in group["params"]]
+        # Refuse bad parameters before the base __init__ registers hooks on them.
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        names = {id(p): n for n, p in named_parameters or ()}
+        rank_device = _rank_cuda_device(all_params)
+        for p in all_params:
+            if p.requires_grad:
+                config.check_parameter(p, names.get(id(p), "<unnamed>"), rank_device)
         self._dgc_sparse_ids = {id(p) for p in all_params
                                 if p.requires_grad and config.compresses(p)}
+        devices = sorted({str(p.device) for p in all_params if id(p) in self._dgc_sparse_ids})
+        if len(devices) > 1:
+            raise ValueError(f"Compression.dgc: the compressed parameters are on {devices[0]} "
+                             f"and {devices[1]}; DGC exchanges them in one buffer, so they must "
+                             "all be on one device (the rank's).")
         self._dgc_defer_dense = config.clip_norm is not None and config.local_clipping
-        _DistributedOptimizer.__init__(self, params, named_parameters, Compression.none,
-                                       backward_passes_per_step, op, gradient_predivide_factor,
-                                       None, False, process_set)
+        super().__init__(params, named_parameters, Compression.none, backward_passes_per_step,
+                         op, gradient_predivide_factor, None, False, process_set)
         if op not in (Average, Sum):
             raise ValueError("DGC supports op=Average and op=Sum only.")
 
@@ -117,16 +154,18 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
                     f"DGC: {type(self).__name__} is not SGD-like, so DGC cannot take over its "
                     "momentum; compressed tensors get local accumulation (error feedback) "
                     "without momentum correction, and the optimizer runs unchanged.")
-        if self._dgc_sparse and not _kernels.native_available():
+        if not _kernels.native_available() and any(p.device.type == "cpu"
+                                                    for p in self._dgc_sparse):
             _kernels.warn_once(
                 "dgc-native",
                 "aiak_training.dgc._dgc_cpu is not built (python setup.py build_ext --inplace); "
-                f"DGC uses exact torch.topk selection instead ({_kernels.IMPORT_ERROR}).")
+                "DGC selects with torch ops on CPU tensors instead: the same selections, "
+                f"slower ({_kernels.IMPORT_ERROR}).")
 
     # ---- hooks --------------------------------------------------------------------------
     def _make_hook(self, p):
         if id(p) not in self._dgc_sparse_ids and not self._dgc_defer_dense:
-            return _DistributedOptimizer._make_hook(self, p)
+            return super()._make_hook(p)
 
         def hook(*ignore):
             # Compressed tensors are exchanged together, in synchronize(); with local clipping
@@ -175,10 +214,14 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
         return [(self._parameter_names.get(p), idx, vals)
                 for p, (idx, vals) in zip(self._dgc_sparse, self._dgc_sent)]
 
-    # ---- compression --------------------------------------------------------------------
-    def _dgc_compress(self, p, density: float,
-                      position: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
-        """Momentum correction, selection and masking for one tensor; returns the pairs."""
+    # ---- compression ----------------------------------------------------------------------
+    def _dgc_uses_native(self, p) -> bool:
+        """CPU tensors use the compiled kernels when built; every other device the torch ops
+        of :mod:`aiak_training.dgc.device_select` (same selections)."""
+        return p.device.type == "cpu" and _kernels.native_available()
+
+    def _dgc_select(self, p, density: float, position: int) -> _Pick:
+        """Momentum correction and the start of the selection for one tensor."""
         cfg = self._dgc
         m, dampening, nesterov, wd = self._dgc_hyper(p)
         state = self._dgc_state.setdefault(p, {})
@@ -211,24 +254,99 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
                     velocity = torch.empty_like(p, memory_format=torch.contiguous_format)
                 state["dgc_velocity"] = velocity
             u = velocity.view(-1)
-        w = p.detach().reshape(-1) if wd != 0 else None
-        k = max(1, math.ceil(density * p.numel()))
+        w = p.detach().reshape(-1).contiguous() if wd != 0 else None
+        k = min(max(1, math.ceil(density * p.numel())), p.numel())
         seed = (cfg.seed * 1_000_003 + self._dgc_step) * 65_537 + position
-        idx, path = _kernels.compensate_select(
-            g.contiguous(), None if w is None else w.contiguous(), u, v, m, dampening, wd,
-            nesterov, first, k, exact=cfg.exact_topk, sample_ratio=cfg.sample_ratio, seed=seed)
-        index = idx.long()
+        if self._dgc_uses_native(p):
+            idx, path = _kernels.compensate_select(
+                g.contiguous(), w, u, v, m, dampening, wd, nesterov, first, k,
+                exact=cfg.exact_topk, sample_ratio=cfg.sample_ratio, seed=seed)
+            return _Pick(v, u, k, idx, path, None)
+        # Compensated and selected with the others, batched (see _dgc_compress_all).
+        hyper = (m, dampening, wd, nesterov, first)
+        return _Pick(v, u, k, None, None, (g.contiguous(), w, hyper))
+
+    def _dgc_pairs(self, pick: _Pick, slots: torch.Tensor, count: int
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Take the selected values out of the residual; returns (the pairs as sent, in
+        ``k`` slots: int32 indices and wire values; the wire values of the real pairs)."""
+        v, u = pick.v, pick.u
+        index = slots[:count].long()  # a no-op for the device path's int64 slots
         values = v.index_select(0, index)
-        if cfg.fp16_values:
+        if self._dgc.fp16_values:
             wire = values.to(torch.float16)
             # Error feedback for the rounding, too: what fp16 could not carry stays in v.
             v.index_copy_(0, index, values - wire.to(values.dtype))
         else:
             wire = values
             v.index_fill_(0, index, 0)
-        if u is not None and cfg.momentum_masking:
+        if u is not None and self._dgc.momentum_masking:
             u.index_fill_(0, index, 0)
-        return idx, wire, path
+        if count == pick.k:
+            return slots.to(torch.int32), wire, wire
+        # Fewer pairs than slots (fewer non-zeros than k): empty slots are sent as PAD.
+        padded = torch.zeros(pick.k, dtype=wire.dtype, device=wire.device)
+        padded[:count] = wire
+        return slots.to(torch.int32), padded, wire
+
+    def _dgc_compress_all(self, density: float) -> Tuple[
+            List[torch.Tensor], List[torch.Tensor], List[Tuple[torch.Tensor, torch.Tensor]],
+            Dict[int, int]]:
+        """Select and take out every compressed tensor's pairs.  Returns, per tensor, the
+        int32 indices and wire values in ``k`` slots each (what is packed), the real pairs
+        (what :meth:`dgc_sent` shows), and the count of each selection path taken.
+
+        Every selection is started before any count is read, and the counts of the tensors
+        on the torch-op path are read together, once (device_select.resolve): one host
+        synchronisation per step, whatever the number of tensors."""
+        cfg = self._dgc
+        picks = [self._dgc_select(p, density, position)
+                 for position, p in enumerate(self._dgc_sparse)]
+        waiting = [j for j, pick in enumerate(picks) if pick.index is None]
+        # Momentum correction of the device path, foreach ops over the tensors that share
+        # hyper-parameters (and velocity presence): a few launches, not a few per tensor.
+        same: Dict[Any, List[_Pick]] = {}
+        for j in waiting:
+            g, w, hyper = picks[j].compensation
+            same.setdefault((hyper, picks[j].u is None, w is None), []).append(picks[j])
+        for (hyper, no_u, no_w), group in same.items():
+            _kernels.compensate_many(
+                [pk.compensation[0] for pk in group],
+                None if no_w else [pk.compensation[1] for pk in group],
+                None if no_u else [pk.u for pk in group], [pk.v for pk in group], *hyper)
+        slots, counts, paths = device_select.resolve(device_select.start(
+            [picks[j].v for j in waiting], [picks[j].k for j in waiting],
+            exact=cfg.exact_topk, sample_ratio=cfg.sample_ratio,
+            seed=cfg.seed * 1_000_003 + self._dgc_step))
+        resolved = dict(zip(waiting, zip(slots, counts, paths)))
+        indices, values, sent = [], [], []
+        path_counts: Dict[int, int] = {}
+        for j, pick in enumerate(picks):
+            if pick.index is not None:
+                count = int(pick.index.numel())
+                slot = pick.index  # int32, ascending
+                if count < pick.k:
+                    slot = torch.full((pick.k,), wire_format.PAD, dtype=torch.int32)
+                    slot[:count] = pick.index
+                path = pick.path
+            else:
+                slot, count, path = resolved[j]
+            idx, wire, real = self._dgc_pairs(pick, slot, count)
+            indices.append(idx)
+            values.append(wire)
+            sent.append((idx[:count], real))
+            path_counts[path] = path_counts.get(path, 0) + 1
+        return indices, values, sent, path_counts
+
+    def _dgc_header(self, indices: List[torch.Tensor]) -> torch.Tensor:
+        """The segment header (the slot counts) on the tensors' device, made once per
+        density: building it from a list would copy from the host and wait for the device."""
+        key = (str(indices[0].device), tuple(int(i.numel()) for i in indices))
+        header = self._dgc_headers.get(key)
+        if header is None:
+            header = torch.tensor(key[1], dtype=torch.int32, device=indices[0].device)
+            self._dgc_headers = {key: header}  # the previous density's is not needed again
+        return header
 
     def _dgc_clip_local(self, nranks: int) -> None:
         """Local gradient clipping (paper eq. 8): the threshold scaled by N^-1/2."""
@@ -262,27 +380,21 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
         paths: Dict[int, int] = {}
         self._dgc_sent = []
         if self._dgc_sparse:
-            indices, values = [], []
-            for position, p in enumerate(self._dgc_sparse):
-                idx, wire, path = self._dgc_compress(p, density, position)
-                indices.append(idx)
-                values.append(wire)
-                paths[path] = paths.get(path, 0) + 1
-            self._dgc_sent = list(zip(indices, values))
+            indices, values, self._dgc_sent, paths = self._dgc_compress_all(density)
             pending = sparse_allgather_async(indices, values, name=self._dgc_name,
-                                             process_set=self.process_set)
+                                             process_set=self.process_set,
+                                             header=self._dgc_header(indices))
 
         # Dense tensors: Horovod's own path (starts what the hooks did not, waits for all).
-        _DistributedOptimizer.synchronize(self)
+        super().synchronize()
 
         if pending is not None:
             outs = []
             for p in self._dgc_sparse:
                 if p.grad is None or p.grad.is_sparse or not p.grad.is_contiguous():
-                    p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                else:
-                    p.grad.zero_()
+                    p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
                 outs.append(p.grad.view(-1))
+            torch._foreach_zero_(outs)  # one launch for all of them on a GPU
             pending.finish(outs, scale=1.0 / nranks if self.op == Average else 1.0)
             for p in self._dgc_sparse:
                 self._allreduce_delay[p] = self.backward_passes_per_step
@@ -336,7 +448,7 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
             # Not part of the exchange: the wrapped optimizer runs on the local gradients,
             # with its own momentum, as Horovod's DistributedOptimizer does on such ranks.
             self._synchronized = False
-            return super(self.__class__, self).step(closure)
+            return self._wrapped_step(closure)
         self._synchronize_for_step()
         originals = self._dgc_dense_update_direction()
         # Momentum and weight decay already happened (DGC's velocity for compressed tensors,
@@ -347,7 +459,7 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
                 suspended.append((group, {k: group[k] for k in _SUSPENDED}))
                 group.update(_SUSPENDED)
         try:
-            return super(self.__class__, self).step(closure)
+            return self._wrapped_step(closure)
         finally:
             for group, saved in suspended:
                 group.update(saved)
@@ -357,7 +469,7 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
     def zero_grad(self, *args, **kwargs):
         if self._dgc_pending:
             raise AssertionError(hs.ZERO_GRAD_RACE)
-        return _DistributedOptimizer.zero_grad(self, *args, **kwargs)
+        return super().zero_grad(*args, **kwargs)
 
     # ---- checkpoints --------------------------------------------------------------------
     def _dgc_ordered_params(self) -> List[torch.Tensor]:
@@ -368,7 +480,7 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
         """The wrapped optimizer's state dict, with each compressed tensor's ``dgc_velocity``
         and ``dgc_residual`` added to its entry in ``"state"``, and ``"dgc": {"step",
         "epoch"}``, the warm-up position."""
-        sd = super(self.__class__, self).state_dict()
+        sd = super().state_dict()
         state = dict(sd["state"])
         for index, p in enumerate(self._dgc_ordered_params()):
             if self._dgc_state.get(p):
@@ -391,7 +503,7 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
                 state[index] = entry
         state_dict["state"] = state
         self._dgc_pending.clear()
-        _DistributedOptimizer.load_state_dict(self, state_dict)
+        super().load_state_dict(state_dict)
         params = self._dgc_ordered_params()
         self._dgc_state = {}
         for index, part in dgc_parts.items():
@@ -412,15 +524,5 @@ def make_dgc_optimizer(optimizer: torch.optim.Optimizer, config, named_parameter
         raise ValueError("backward_passes_per_step must be > 0")
     if op not in (Average, Sum):
         raise ValueError("DGC supports op=Average and op=Sum only.")
-    namespace = dict(_DistributedOptimizer.__dict__)
-    namespace.update({k: v for k, v in _DGCDistributedOptimizer.__dict__.items()
-                      if k not in ("__dict__", "__weakref__", "__doc__", "__module__",
-                                   "__qualname__")})
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
-    wrapped = cls(optimizer.param_groups, named_parameters, config, backward_passes_per_step,
-                  op, gradient_predivide_factor, process_set)
-    for p, s in optimizer.state.items():  # keep any state the optimizer already had
-        wrapped.state[p] = s
-    # cls(...) ran the optimizer's __init__ with default arguments; keep the user's defaults.
-    wrapped.defaults.update(optimizer.defaults)
-    return wrapped
+    return wrap(optimizer, _DGCDistributedOptimizer, named_parameters, config,
+                backward_passes_per_step, op, gradient_predivide_factor, process_set)

@@ -13,10 +13,11 @@ from .swap import ENV_VAR, fused_class_for, maybe_fuse
 from ._backend import cpu_ext as _cpu_ext, cuda_lib, cuda_lib_error, cuda_library_path
 
 
-def cpu_isa() -> str:
-    """SIMD path the CPU kernels use ('avx512', 'avx2' or 'scalar'); 'unavailable' if the
-    extension is not built."""
-    return _cpu_ext.isa() if _cpu_ext is not None else "unavailable"
+def cpu_isa(threads: int = 1) -> str:
+    """SIMD path the CPU kernels use on ``threads`` threads ('avx512', 'avx2' or 'scalar'):
+    on AMD CPUs multi-threaded calls take AVX2 (see docs/fused-optimizers.md); 'unavailable'
+    if the extension is not built."""
+    return _cpu_ext.isa(threads) if _cpu_ext is not None else "unavailable"
 
 
 __all__ = [

@@ -3,20 +3,22 @@
 Layout follows torch/optim/adam.py: the optimizer classes gather tensors per param group and
 call the functional :func:`fused_adam`, which picks
 
-* ``_multi_tensor_fused_adam``: one pass over memory for all tensors of a dtype (CPU SIMD
-  kernels in csrc/fused_optim, CUDA multi-tensor-apply kernels in csrc/cuda), or
+* ``_launch_adam``: one pass over memory for all tensors of a dtype (CPU SIMD kernels in
+  csrc/fused_optim, CUDA multi-tensor-apply kernels in csrc/cuda), with the tables of a
+  ``_plan.Plan`` (the optimizer classes cache it across steps), or
 * ``_single_tensor_adam``: the reference, written with torch ops exactly like torch's for-loop
   path but with fp32 maths for bf16/fp16 params.  It is used for tensors the kernels cannot walk
   as flat arrays (non-dense layouts) and when a compiled backend is missing.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import _backend as B
+from . import _plan as P
 from ._base import FusedOptimizerBase, to_float
 
 __all__ = ["FusedAdam", "FusedAdamW", "fused_adam"]
@@ -63,42 +65,56 @@ def _single_tensor_adam(
             param.copy_(p)
 
 
-def _multi_tensor_fused_adam(
-    idx: Sequence[int], params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor], max_exp_avg_sqs: List[Optional[Tensor]], state_steps: List[Tensor],
-    master_params: List[Optional[Tensor]], *, amsgrad: bool, beta1: float, beta2: float, lr: float,
-    weight_decay: float, eps: float, maximize: bool, decoupled_weight_decay: bool,
-    grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+# fused_adam's positional lists, as _init_group fills them.
+_LIST_KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps",
+              "master_params")
+# Table names of a plan, in the order of the kernels' arguments after params and grads.
+_ADAM_SLOTS = ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params", "state_steps")
+_ADAM_STATE_KEYS = {"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq",
+                    "max_exp_avg_sqs": "max_exp_avg_sq", "master_params": "master_param",
+                    "state_steps": "step"}
+
+
+def _adam_plan(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+               exp_avg_sqs: List[Tensor], max_exp_avg_sqs: List[Optional[Tensor]],
+               master_params: List[Optional[Tensor]], state_steps: List[Tensor],
+               **cache_args: Any) -> P.Plan:
+    return P.Plan(params, grads, dict(zip(_ADAM_SLOTS, (
+        exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, state_steps))),
+        master_slot="master_params", **cache_args)
+
+
+def _launch_adam(
+    plan: P.Plan, *, amsgrad: bool, beta1: float, beta2: float, lr: float, weight_decay: float,
+    eps: float, maximize: bool, decoupled_weight_decay: bool, grad_scale: Optional[Tensor],
+    found_inf: Optional[Tensor],
 ) -> None:
-    """One kernel call per (dtype, master-weights) bucket of the tensors at positions ``idx``."""
-    device = params[idx[0]].device
-    for (dtype, has_master), ids in B.kernel_buckets(params, master_params, idx).items():
-        ps = [params[i] for i in ids]
-        numels = [p.numel() for p in ps]
-        if device.type == "cpu":
-            gs = 0.0 if grad_scale is None else to_float(grad_scale)
+    """One kernel call per (dtype, master-weights) bucket of the plan.  On CPU the caller has
+    already checked ``found_inf`` on the host; CUDA kernels check it on the device."""
+    if not plan.cuda:
+        gs = 0.0 if grad_scale is None else to_float(grad_scale)
+        threads = B.num_threads()
+        for b in plan.buckets:
+            t = b.tables
             B.cpu_ext.adam(
-                [p.data_ptr() for p in ps], [grads[i].data_ptr() for i in ids],
-                [exp_avgs[i].data_ptr() for i in ids], [exp_avg_sqs[i].data_ptr() for i in ids],
-                [max_exp_avg_sqs[i].data_ptr() for i in ids] if amsgrad else [],
-                [master_params[i].data_ptr() for i in ids] if has_master else [],
-                [state_steps[i].data_ptr() for i in ids], numels, B.DTYPE_CODES[dtype],
-                lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, amsgrad, maximize,
-                gs, B.num_threads())
-        else:
-            lib = B.cuda_lib()
-            gs_ptr, _gs_keep = B.scalar_ptr(grad_scale, device)
-            fi_ptr, _fi_keep = B.scalar_ptr(found_inf, device)
-            with torch.cuda.device(device):
-                rc = lib.aiak_fused_adam_cuda(
-                    len(ids), B.int64_array(numels), B.ptr_array(ps),
-                    B.ptr_array([grads[i] for i in ids]), B.ptr_array([exp_avgs[i] for i in ids]),
-                    B.ptr_array([exp_avg_sqs[i] for i in ids]),
-                    B.ptr_array([max_exp_avg_sqs[i] if amsgrad else None for i in ids]),
-                    B.ptr_array([master_params[i] for i in ids]),
-                    B.ptr_array([state_steps[i] for i in ids]), B.DTYPE_CODES[dtype],
-                    lr, beta1, beta2, eps, weight_decay, int(decoupled_weight_decay), int(amsgrad),
-                    int(maximize), gs_ptr, fi_ptr, B.cuda_stream(device))
+                t["params"], t["grads"], t["exp_avgs"], t["exp_avg_sqs"],
+                t["max_exp_avg_sqs"] if amsgrad else [], t["master_params"], t["state_steps"],
+                b.numels, b.dtype_code, lr, beta1, beta2, eps, weight_decay,
+                decoupled_weight_decay, amsgrad, maximize, gs, threads)
+        return
+    device = plan.device
+    lib = B.cuda_lib()
+    gs_ptr, _gs_keep = B.scalar_ptr(grad_scale, device)
+    fi_ptr, _fi_keep = B.scalar_ptr(found_inf, device)
+    stream = B.cuda_stream(device)
+    with torch.cuda.device(device):
+        for b in plan.buckets:
+            a = b.arrays
+            rc = lib.aiak_fused_adam_cuda(
+                len(b.numels), b.c_numels, a["params"], a["grads"], a["exp_avgs"],
+                a["exp_avg_sqs"], a["max_exp_avg_sqs"] if amsgrad else None, a["master_params"],
+                a["state_steps"], b.dtype_code, lr, beta1, beta2, eps, weight_decay,
+                int(decoupled_weight_decay), int(amsgrad), int(maximize), gs_ptr, fi_ptr, stream)
             B.check_cuda(rc, "aiak_fused_adam_cuda")
 
 
@@ -135,11 +151,13 @@ def fused_adam(
         return ts
 
     def run_fast(idx: List[int]) -> None:
-        _multi_tensor_fused_adam(
-            idx, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
-            amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
-            maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
-            grad_scale=grad_scale, found_inf=found_inf)
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        plan = _adam_plan(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+                          pick(max_exp_avg_sqs), pick(master_params), pick(state_steps))
+        _launch_adam(plan, amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr,
+                     weight_decay=weight_decay, eps=eps, maximize=maximize,
+                     decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
+                     found_inf=found_inf)
 
     def run_slow(idx: List[int]) -> None:
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
@@ -239,23 +257,65 @@ class FusedAdam(FusedOptimizerBase):
             masters.append(self._master_for(group, state, p) if masters_wanted else None)
 
     def _fused_step(self) -> None:
-        """Update every parameter that has a gradient (see :meth:`step`)."""
+        """Update every parameter that has a gradient (see :meth:`step`).
+
+        Each group's kernel tables come from a cached plan (see _plan.py) when they still
+        describe the group; otherwise the group is gathered parameter by parameter, as torch
+        does, and a new plan is cached when every tensor can go through the kernels."""
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler
         found_inf = getattr(self, "found_inf", None)
-        for group in self.param_groups:
-            lists: Dict[str, list] = {k: [] for k in (
-                "params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps",
-                "master_params")}
-            self._init_group(group, lists)
+        cache = P.plans_of(self)
+        for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            fused_adam(
-                lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
-                lists["max_exp_avg_sqs"], lists["state_steps"], lists["master_params"],
-                amsgrad=group["amsgrad"], beta1=to_float(beta1), beta2=to_float(beta2),
-                lr=to_float(group["lr"]), weight_decay=to_float(group["weight_decay"]),
-                eps=float(group["eps"]), maximize=group["maximize"],
-                decoupled_weight_decay=group["decoupled_weight_decay"],
-                grad_scale=grad_scale, found_inf=found_inf)
+            hyper = dict(amsgrad=group["amsgrad"], beta1=to_float(beta1), beta2=to_float(beta2),
+                         lr=to_float(group["lr"]), weight_decay=to_float(group["weight_decay"]),
+                         eps=float(group["eps"]), maximize=group["maximize"],
+                         decoupled_weight_decay=group["decoupled_weight_decay"],
+                         grad_scale=grad_scale, found_inf=found_inf)
+            flags = (bool(group["amsgrad"]), bool(group.get("master_weights", False)))
+            plan, key = cache.lookup(index, group["params"], self.state, flags)
+            if plan is None:
+                lists = self._gather(group)
+                plan = self._new_plan(lists, key, flags, group)
+                if plan is None:
+                    fused_adam(*(lists[k] for k in _LIST_KEYS), **hyper)
+                    continue
+                cache.store(plan)
+            if not plan.cuda and found_inf is not None and to_float(found_inf) != 0.0:
+                continue  # the CPU kernels skip on the host, like fused_adam
+            try:
+                _launch_adam(plan, **hyper)
+            except B.CudaKernelsUnusable as err:  # at the first launch, before any write
+                B.mark_cuda_unusable(plan.device, err)
+                cache.clear()
+                lists = self._gather(group)
+                fused_adam(*(lists[k] for k in _LIST_KEYS), **hyper)
+
+    def _gather(self, group: Dict[str, Any]) -> Dict[str, list]:
+        """The group's tensors as fused_adam's lists, creating missing state."""
+        lists: Dict[str, list] = {k: [] for k in _LIST_KEYS}
+        self._init_group(group, lists)
+        return lists
+
+    def _new_plan(self, lists: Dict[str, list], key: Any, flags: Tuple,
+                  group: Dict[str, Any]) -> Optional[P.Plan]:
+        """A plan for the gathered group, or None when some tensor needs the reference path."""
+        params = lists["params"]
+        amsgrad = flags[0]
+        per_position = [
+            [t for t in ts if t is not None] for ts in zip(
+                params, lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
+                lists["max_exp_avg_sqs"] if amsgrad else [None] * len(params),
+                lists["master_params"])]
+        if not P.plannable(params[0].device if params else torch.device("cpu"), per_position):
+            return None
+        keys = dict(_ADAM_STATE_KEYS)
+        if not amsgrad:
+            del keys["max_exp_avg_sqs"]
+        return _adam_plan(params, lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
+                          lists["max_exp_avg_sqs"], lists["master_params"], lists["state_steps"],
+                          state_keys=keys, key=key, flags=flags, state=self.state,
+                          group_params=group["params"])
 
 
 class FusedAdamW(FusedAdam):

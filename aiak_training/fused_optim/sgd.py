@@ -3,12 +3,13 @@ decay, maximize).  Same layout as adam.py: a single-tensor reference path in tor
 fused multi-tensor path, side by side, behind the functional :func:`fused_sgd`."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Sequence, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import _backend as B
+from . import _plan as P
 from ._base import FusedOptimizerBase, to_float
 
 __all__ = ["FusedSGD", "fused_sgd"]
@@ -44,43 +45,47 @@ def _single_tensor_sgd(
             param.copy_(p)
 
 
-def _multi_tensor_fused_sgd(
-    idx: Sequence[int], params: List[Tensor], grads: List[Tensor],
-    momentum_buffers: List[Optional[Tensor]], master_params: List[Optional[Tensor]],
-    first_step: List[bool], *, weight_decay: float, momentum: float, lr: float, dampening: float,
-    nesterov: bool, maximize: bool, grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
+_SGD_STATE_KEYS = {"momentum_buffers": "momentum_buffer", "master_params": "master_param"}
+
+
+def _sgd_plan(params: List[Tensor], grads: List[Tensor], momentum_buffers: List[Optional[Tensor]],
+              master_params: List[Optional[Tensor]], **cache_args: Any) -> P.Plan:
+    return P.Plan(params, grads, {"momentum_buffers": momentum_buffers,
+                                  "master_params": master_params},
+                  master_slot="master_params", **cache_args)
+
+
+def _launch_sgd(
+    plan: P.Plan, first_step: Optional[List[bool]], *, weight_decay: float, momentum: float,
+    lr: float, dampening: float, nesterov: bool, maximize: bool, grad_scale: Optional[Tensor],
+    found_inf: Optional[Tensor],
 ) -> None:
-    device = params[idx[0]].device
-    buckets: Dict[Tuple[torch.dtype, bool], List[int]] = {}
-    for i in idx:
-        buckets.setdefault((params[i].dtype, master_params[i] is not None), []).append(i)
+    """One kernel call per (dtype, master-weights) bucket of the plan; ``first_step`` has one
+    flag per plan position (None: no buffer is new).  On CPU the caller has already checked
+    ``found_inf`` on the host."""
     use_buf = momentum != 0
-    for (dtype, has_master), ids in buckets.items():
-        ps = [params[i] for i in ids]
-        numels = [p.numel() for p in ps]
-        if device.type == "cpu":
-            gs = 0.0 if grad_scale is None else to_float(grad_scale)
+    for b in plan.buckets:
+        n = len(b.numels)
+        first = [0] * n if first_step is None else [int(f) for f in P.pick(first_step, b.ids)]
+        if not plan.cuda:
+            t = b.tables
             B.cpu_ext.sgd(
-                [p.data_ptr() for p in ps], [grads[i].data_ptr() for i in ids],
-                [momentum_buffers[i].data_ptr() for i in ids] if use_buf else [],
-                [master_params[i].data_ptr() for i in ids] if has_master else [],
-                [int(first_step[i]) for i in ids] if use_buf else [], numels,
-                B.DTYPE_CODES[dtype], lr, momentum, dampening, weight_decay, nesterov, maximize,
-                gs, B.num_threads())
-        else:
-            lib = B.cuda_lib()
-            gs_ptr, _gs_keep = B.scalar_ptr(grad_scale, device)
-            fi_ptr, _fi_keep = B.scalar_ptr(found_inf, device)
-            with torch.cuda.device(device):
-                rc = lib.aiak_fused_sgd_cuda(
-                    len(ids), B.int64_array(numels), B.ptr_array(ps),
-                    B.ptr_array([grads[i] for i in ids]),
-                    B.ptr_array([momentum_buffers[i] if use_buf else None for i in ids]),
-                    B.ptr_array([master_params[i] for i in ids]),
-                    B.int_array([int(first_step[i]) for i in ids]), B.DTYPE_CODES[dtype],
-                    lr, momentum, dampening, weight_decay, int(nesterov), int(maximize),
-                    gs_ptr, fi_ptr, B.cuda_stream(device))
-            B.check_cuda(rc, "aiak_fused_sgd_cuda")
+                t["params"], t["grads"], t["momentum_buffers"] if use_buf else [],
+                t["master_params"], first if use_buf else [], b.numels, b.dtype_code, lr,
+                momentum, dampening, weight_decay, nesterov, maximize,
+                0.0 if grad_scale is None else to_float(grad_scale), B.num_threads())
+            continue
+        device = plan.device
+        lib = B.cuda_lib()
+        gs_ptr, _gs_keep = B.scalar_ptr(grad_scale, device)
+        fi_ptr, _fi_keep = B.scalar_ptr(found_inf, device)
+        a = b.arrays
+        with torch.cuda.device(device):
+            rc = lib.aiak_fused_sgd_cuda(
+                n, b.c_numels, a["params"], a["grads"], a["momentum_buffers"] if use_buf else None,
+                a["master_params"], B.int_array(first), b.dtype_code, lr, momentum, dampening,
+                weight_decay, int(nesterov), int(maximize), gs_ptr, fi_ptr, B.cuda_stream(device))
+        B.check_cuda(rc, "aiak_fused_sgd_cuda")
 
 
 def fused_sgd(
@@ -117,10 +122,11 @@ def fused_sgd(
         return ts
 
     def run_fast(idx: List[int]) -> None:
-        _multi_tensor_fused_sgd(
-            idx, params, grads, momentum_buffers, master_params, first_step,
-            weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
-            nesterov=nesterov, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        plan = _sgd_plan(pick(params), pick(grads), pick(momentum_buffers), pick(master_params))
+        _launch_sgd(plan, pick(first_step), weight_decay=weight_decay, momentum=momentum, lr=lr,
+                    dampening=dampening, nesterov=nesterov, maximize=maximize,
+                    grad_scale=grad_scale, found_inf=found_inf)
 
     def run_slow(idx: List[int]) -> None:
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
@@ -170,45 +176,78 @@ class FusedSGD(FusedOptimizerBase):
         super().__init__(params, defaults)
 
     def _fused_step(self) -> None:
-        """Update every parameter that has a gradient (see :meth:`step`)."""
+        """Update every parameter that has a gradient (see :meth:`step`), from a cached plan
+        when it still describes the group (see _plan.py and FusedAdam._fused_step)."""
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        for group in self.param_groups:
+        cache = P.plans_of(self)
+        for index, group in enumerate(self.param_groups):
             momentum = to_float(group["momentum"])
-            params: List[Tensor] = []
-            grads: List[Tensor] = []
-            bufs: List[Optional[Tensor]] = []
-            masters: List[Optional[Tensor]] = []
-            first: List[bool] = []
-            new_bufs: List[Tuple[Tensor, Tensor]] = []
-            for p in group["params"]:
-                if p.grad is None:
+            hyper = dict(weight_decay=to_float(group["weight_decay"]), momentum=momentum,
+                         lr=to_float(group["lr"]), dampening=to_float(group["dampening"]),
+                         nesterov=group["nesterov"], maximize=group["maximize"],
+                         grad_scale=grad_scale, found_inf=found_inf)
+            flags = (momentum != 0, bool(group.get("master_weights", False)))
+            plan, key = cache.lookup(index, group["params"], self.state, flags)
+            if plan is not None:
+                if not plan.cuda and found_inf is not None and to_float(found_inf) != 0.0:
+                    continue  # the CPU kernels skip on the host, like fused_sgd
+                try:
+                    _launch_sgd(plan, None, **hyper)
                     continue
-                grads.append(self._check_grad(p))
-                params.append(p)
-                # Like torch, create state entries only when there is something to keep.
-                wants_master = group.get("master_weights", False) and p.dtype in B.LOW_PRECISION
-                masters.append(self._master_for(group, self.state[p], p) if wants_master else None)
-                if momentum != 0:
-                    buf = self.state[p].get("momentum_buffer")
-                    is_first = buf is None
-                    if is_first:  # torch: buf = grad.clone() on the first step
-                        buf = torch.empty_like(p, dtype=B.state_dtype(p.dtype),
-                                               memory_format=torch.preserve_format)
-                        new_bufs.append((p, buf))
-                    bufs.append(buf)
-                    first.append(is_first)
-            if not params:
+                except B.CudaKernelsUnusable as err:  # at the first launch, before any write
+                    B.mark_cuda_unusable(plan.device, err)
+                    cache.clear()
+            self._unplanned_step(group, key, flags, hyper)
+
+    def _unplanned_step(self, group: Dict[str, Any], key: Any, flags: Tuple,
+                        hyper: Dict[str, Any]) -> None:
+        """Gather the group parameter by parameter, step it, and cache a plan for the next
+        steps when every tensor can go through the kernels and no buffer is new."""
+        momentum, found_inf = hyper["momentum"], hyper["found_inf"]
+        params: List[Tensor] = []
+        grads: List[Tensor] = []
+        bufs: List[Optional[Tensor]] = []
+        masters: List[Optional[Tensor]] = []
+        first: List[bool] = []
+        new_bufs: List[Tuple[Tensor, Tensor]] = []
+        for p in group["params"]:
+            if p.grad is None:
                 continue
-            # A buffer enters the state only once a step has initialised it, as in torch.  With
-            # new buffers and a found_inf (GradScaler) we need to know whether this step runs;
-            # that costs one host sync, on the first step only.
-            skipped = bool(new_bufs) and found_inf is not None and to_float(found_inf) != 0.0
-            fused_sgd(
-                params, grads, bufs, masters, first, weight_decay=to_float(group["weight_decay"]),
-                momentum=momentum, lr=to_float(group["lr"]), dampening=to_float(group["dampening"]),
-                nesterov=group["nesterov"], maximize=group["maximize"], grad_scale=grad_scale,
-                found_inf=found_inf)
-            if not skipped:
-                for p, buf in new_bufs:
-                    self.state[p]["momentum_buffer"] = buf
+            grads.append(self._check_grad(p))
+            params.append(p)
+            # Like torch, create state entries only when there is something to keep.
+            wants_master = group.get("master_weights", False) and p.dtype in B.LOW_PRECISION
+            masters.append(self._master_for(group, self.state[p], p) if wants_master else None)
+            if momentum != 0:
+                buf = self.state[p].get("momentum_buffer")
+                is_first = buf is None
+                if is_first:  # torch: buf = grad.clone() on the first step
+                    buf = torch.empty_like(p, dtype=B.state_dtype(p.dtype),
+                                           memory_format=torch.preserve_format)
+                    new_bufs.append((p, buf))
+                bufs.append(buf)
+                first.append(is_first)
+            else:
+                bufs.append(None)
+        if not params:
+            return
+        # A buffer enters the state only once a step has initialised it, as in torch.  With
+        # new buffers and a found_inf (GradScaler) we need to know whether this step runs;
+        # that costs one host sync, on the first step only.
+        skipped = bool(new_bufs) and found_inf is not None and to_float(found_inf) != 0.0
+        fused_sgd(params, grads, bufs, masters, first if momentum != 0 else None, **hyper)
+        if not skipped:
+            for p, buf in new_bufs:
+                self.state[p]["momentum_buffer"] = buf
+        if new_bufs and skipped:
+            return
+        per_position = [[t for t in ts if t is not None]
+                        for ts in zip(params, grads, bufs, masters)]
+        if P.plannable(params[0].device, per_position):
+            keys = dict(_SGD_STATE_KEYS)
+            if momentum == 0:
+                del keys["momentum_buffers"]
+            P.plans_of(self).store(_sgd_plan(
+                params, grads, bufs, masters, state_keys=keys, key=key, flags=flags,
+                state=self.state, group_params=group["params"]))

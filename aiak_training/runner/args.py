@@ -11,6 +11,13 @@ from aiak_training.runner.flag_errors import FlagParser
 # --host-discovery-script or --min-np turns elastic mode on.
 ELASTIC_FLAGS = ("--min-np", "--max-np", "--slots-per-host", "--elastic-timeout",
                  "--reset-limit", "--blacklist-cooldown-range", "--host-discovery-script")
+# What --help shows for each flag's value: argparse would otherwise build it from the dest
+# (ELASTIC_ELASTIC_TIMEOUT), and print a two-value flag's placeholder twice.
+ELASTIC_METAVARS = {
+    "--min-np": "N", "--max-np": "N", "--slots-per-host": "N", "--elastic-timeout": "SECONDS",
+    "--reset-limit": "N", "--blacklist-cooldown-range": ("MIN", "MAX"),
+    "--host-discovery-script": "SCRIPT",
+}
 ELASTIC_HELP = {
     "--min-np": "elastic: fewest ranks the job may run on (also --min-num-proc)",
     "--max-np": "elastic: most ranks the job may grow to (also --max-num-proc)",
@@ -19,18 +26,15 @@ ELASTIC_HELP = {
     "--elastic-timeout": "elastic: seconds to wait for --min-np slots before failing "
                          "(HOROVOD_ELASTIC_TIMEOUT; default 600)",
     "--reset-limit": "elastic: fail the job instead of resetting it more than this many times",
-    "--blacklist-cooldown-range": "elastic: MIN MAX seconds a host whose worker failed stays "
-                                  "blacklisted (default: for good)",
+    "--blacklist-cooldown-range": "elastic: seconds (from MIN to MAX) a host whose worker "
+                                  "failed stays blacklisted (default: for good)",
     "--host-discovery-script": "elastic: executable printing the available hosts, one "
                                "'hostname[:slots]' per line",
 }
-# horovodrun flags that only tune performance (autotune, NCCL streams, thread affinity, the
-# torus allreduce) or the look of the output: a job runs correctly without them, so they are
+# horovodrun flags that only tune performance (NCCL streams, thread affinity, the torus
+# allreduce) or the look of the output: a job runs correctly without them, so they are
 # accepted, named in a warning, and ignored.  Flag (with aliases) -> whether it takes a value.
 IGNORED_FLAGS = {
-    ("--autotune",): False, ("--no-autotune",): False, ("--autotune-log-file",): True,
-    ("--autotune-warmup-samples",): True, ("--autotune-steps-per-sample",): True,
-    ("--autotune-bayes-opt-max-samples",): True, ("--autotune-gaussian-process-noise",): True,
     ("--num-nccl-streams",): True, ("--thread-affinity",): True,
     ("--torus-allreduce",): False, ("--no-torus-allreduce",): False,
     ("--prefix-output-with-timestamp", "-prefix-timestamp"): False,
@@ -60,6 +64,15 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
+
+
+def _what_if(text: str):
+    """--what-if's value; an error names the bad field (aiak_training/advisor/whatif.py)."""
+    from aiak_training.advisor.whatif import WhatIfError, parse_what_if
+    try:
+        return parse_what_if(text)
+    except WhatIfError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _on_off(group, name: str, dest: str, help_on: str) -> None:
@@ -133,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         tun.add_argument(*flags, dest=_ignored_dest(flags), nargs=None if takes_value else 0,
                          action=_Collect, help=argparse.SUPPRESS)
 
+    _add_autotune_flags(p)
+
     tl = p.add_argument_group("timeline")
     tl.add_argument("--timeline-filename", dest="timeline_filename", metavar="FILE",
                     help="write a Chrome-trace timeline (HOROVOD_TIMELINE)")
@@ -163,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     log = p.add_argument_group("logging")
     log.add_argument("--log-level", dest="log_level", type=str.upper,
                      choices=[level.upper() for level in LOG_LEVELS],
-                     help="engine log level (HOROVOD_LOG_LEVEL)")
+                     help="engine log level (HOROVOD_LOG_LEVEL); WARNING and higher also "
+                          "silence rank 0's start-up line")
     log.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_hide_time",
                      action="store_const", const=False, default=None,
                      help="timestamps in engine logs")
@@ -189,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ELASTIC_FLAGS:
         el.add_argument(flag, dest="elastic_" + flag[2:].replace("-", "_"),
                         nargs=2 if flag == "--blacklist-cooldown-range" else None,
-                        help=ELASTIC_HELP[flag])
+                        metavar=ELASTIC_METAVARS[flag], help=ELASTIC_HELP[flag])
     el.add_argument("--min-num-proc", dest="elastic_min_np", help=argparse.SUPPRESS)
     el.add_argument("--max-num-proc", dest="elastic_max_np", help=argparse.SUPPRESS)
 
@@ -210,8 +226,43 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("--horovod-compat", dest="horovod_compat", action="store_true",
                       help="make `import horovod.torch` load aiak-training (no script edits); "
                            "also AIAK_HOROVOD_COMPAT=1")
+    adv = p.add_argument_group("advisor (docs/choosing-a-configuration.md)")
+    adv.add_argument("--advise", action="store_true",
+                     help="measure the links, the model's gradients and a few steps of the "
+                          "script, then print each configuration's predicted step time")
+    adv.add_argument("--what-if", dest="what_if", type=_what_if, metavar="FIELDS",
+                     help="with --advise: predict for another cluster, e.g. "
+                          "nodes=2,ranks_per_node=8,link_gbit=30[,latency_us=50]")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, with arguments")
     return p
+
+
+def _add_autotune_flags(p: argparse.ArgumentParser) -> None:
+    """horovodrun's autotune flags; each sets its HOROVOD_AUTOTUNE* variable (runner/env_map.py),
+    read by the ranks (aiak_training/runtime/autotune/)."""
+    at = p.add_argument_group("autotune (docs/choosing-a-configuration.md)")
+    _on_off(at, "autotune", "autotune",
+            "tune the fusion threshold, cycle time and allreduce algorithm on the job's "
+            "measured step time, then keep the best (HOROVOD_AUTOTUNE)")
+    at.add_argument("--autotune-log-file", dest="autotune_log_file", metavar="FILE",
+                    help="CSV of every setting tried, the chosen one last (HOROVOD_AUTOTUNE_LOG)")
+    at.add_argument("--autotune-warmup-samples", dest="autotune_warmup_samples",
+                    type=_non_negative_int, metavar="N",
+                    help="samples discarded before tuning (HOROVOD_AUTOTUNE_WARMUP_SAMPLES; "
+                         "default 3)")
+    at.add_argument("--autotune-steps-per-sample", dest="autotune_steps_per_sample",
+                    type=_positive_int, metavar="N",
+                    help="steps measured per setting (HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE; "
+                         "default 10)")
+    at.add_argument("--autotune-bayes-opt-max-samples", dest="autotune_bayes_opt_max_samples",
+                    type=_positive_int, metavar="N",
+                    help="most settings measured (HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES; "
+                         "default 20)")
+    at.add_argument("--autotune-gaussian-process-noise",
+                    dest="autotune_gaussian_process_noise", type=_non_negative_float,
+                    metavar="ALPHA",
+                    help="accepted for horovodrun compatibility; the search here is not a "
+                         "Gaussian process (HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE; default 0.8)")
 
 
 class _Collect(argparse.Action):

@@ -84,8 +84,14 @@ def check_build_text() -> str:
     return "\n".join(lines)
 
 
+# How to get the CUDA kernels where they were not built (setup.py builds them only where a
+# GPU is visible at install time, or where AIAK_CUDA_ARCHS asks for them).
+CUDA_KERNELS_HINT = ("to build them, reinstall with nvcc on PATH and AIAK_CUDA_ARCHS set to "
+                     "the GPUs' compute capabilities: AIAK_CUDA_ARCHS=\"80;90\" "
+                     "pip install -e .")
+
+
 def _cuda_line() -> str:
-    built = bool(_safe(build_info.cuda_built, False))
     version = _safe(build_info.torch_version, None)
     cuda = _safe(build_info.torch_cuda_version, None)
     if version is None:
@@ -96,27 +102,32 @@ def _cuda_line() -> str:
         torch_part = f"torch {version} with ROCm"
     else:
         torch_part = f"torch {version} without CUDA"
+    # The tick is torch's CUDA support alone: a CPU build of torch cannot make CUDA tensors,
+    # whatever kernels aiak-training has (they are reported on their own line).
     kernels = "built" if _safe(build_info.cuda_kernel_libraries, []) else "not built"
-    return f"[{_mark(built)}] {torch_part}; aiak-training CUDA kernels {kernels}"
+    return f"[{_mark(bool(cuda))}] {torch_part}; aiak-training CUDA kernels {kernels}"
 
 
 def _gpu_path_line(nccl: int) -> str:
-    """Which transport CUDA tensors take (aiak_training.common.gpu), given the settings."""
+    """Which transport CUDA tensors take (aiak_training.common.gpu), given the settings; the
+    start-up line's "GPU collectives" word comes from the same function."""
+    from aiak_training.runtime.startup_line import _visible_gpus, gpu_path
     try:
         from aiak_training.common.config import _gpu_transport
         wanted = _gpu_transport()
     except ValueError as exc:
         return f"invalid setting: {exc}"
-    if wanted == "mpi":
-        return "MPI, staged through pinned host memory (asked for)"
-    if nccl:
+    name, why = gpu_path(wanted, nccl, int(_safe(_visible_gpus, 0)))  # type: ignore[arg-type]
+    if name == "none":
+        return f"none ({why})"
+    if name == "nccl":
         return ("NCCL (MPI staging where ranks share a GPU or NCCL cannot express an op; "
                 "AIAK_GPU_TRANSPORT=mpi forces it)")
-    return "MPI, staged through pinned host memory (NCCL not found)"
+    return f"MPI, staged through pinned host memory ({why})"
 
 
 def _cuda_libs_line() -> str:
     libs = _safe(build_info.cuda_kernel_libraries, [])
     if not libs:
-        return "[ ] not built"
+        return f"[ ] not built ({CUDA_KERNELS_HINT})"
     return "[X] " + ", ".join(os.path.basename(p) for p in libs)  # type: ignore[union-attr]

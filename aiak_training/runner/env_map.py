@@ -66,6 +66,7 @@ def flag_env(args: argparse.Namespace, environ: Mapping[str, str]) -> Dict[str, 
     env["HOROVOD_START_TIMEOUT"] = str(args.start_timeout if args.start_timeout is not None
                                        else environ.get("HOROVOD_START_TIMEOUT")
                                        or DEFAULT_START_TIMEOUT)
+    env.update(_autotune_env(args))
     if args.overlap_update:
         env["AIAK_OVERLAP_UPDATE"] = "1"
     if args.allreduce_algo:
@@ -75,6 +76,28 @@ def flag_env(args: argparse.Namespace, environ: Mapping[str, str]) -> Dict[str, 
     # Ranks' output goes through pipes; unbuffered output keeps lines from different ranks in
     # order of writing and means nothing is lost when a rank is killed.
     env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+# aiakrun's autotune flags (runner/args.py) -> the Horovod variable each one sets.
+AUTOTUNE_VARS = (
+    ("autotune_log_file", "HOROVOD_AUTOTUNE_LOG"),
+    ("autotune_warmup_samples", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),
+    ("autotune_steps_per_sample", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"),
+    ("autotune_bayes_opt_max_samples", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),
+    ("autotune_gaussian_process_noise", "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"),
+)
+
+
+def _autotune_env(args: argparse.Namespace) -> Dict[str, str]:
+    """The HOROVOD_AUTOTUNE* variables of the autotune flags that were given."""
+    env: Dict[str, str] = {}
+    if getattr(args, "autotune", None) is not None:
+        env["HOROVOD_AUTOTUNE"] = _bool(args.autotune)
+    for dest, name in AUTOTUNE_VARS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            env[name] = str(value)
     return env
 
 

@@ -13,7 +13,7 @@ import os
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, List, Optional, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
 
 from aiak_training.common.records import drop_record
 
@@ -46,13 +46,52 @@ class RankFailure:
     returncode: int
     time: float
     detail: str = ""
+    # The exception its program printed last (runner/rank_traceback.py), when it printed one:
+    # ``ValueError: boom``, when it appeared, and whether it was Horovod's "has been shut
+    # down" (a consequence of another rank's failure, not a cause).
+    exception: str = ""
+    raised_at: float = 0.0
+    secondary: bool = False
+
+    @property
+    def raised(self) -> bool:
+        """Whether the rank died of an exception of its own (not another rank's failure)."""
+        return bool(self.exception) and not self.secondary
 
     def describe(self) -> str:
-        """``rank 1 (host a) exited with signal SIGKILL``."""
+        """``rank 1 (host a) exited with signal SIGKILL``, or ``rank 1 (host a) raised
+        ValueError: boom (exit code 1)``."""
         who = f"rank {self.rank}" if self.rank is not None else "a rank"
         if self.detail:
             return f"{who} (host {self.host}) {self.detail}"
+        if self.raised:
+            return (f"{who} (host {self.host}) raised {self.exception} "
+                    f"({describe_returncode(self.returncode)})")
         return f"{who} (host {self.host}) exited with {describe_returncode(self.returncode)}"
+
+
+#: A rank killed by a signal counts as this many seconds earlier than its wrapper saw it end:
+#: its peers' connections break at the same instant, and their errors (printed at once) can
+#: beat the wrapper's own clock by milliseconds.
+SIGNAL_LEAD_S = 1.0
+
+
+def first_cause(failures: Sequence[RankFailure]) -> Optional[RankFailure]:
+    """The failure that came first, by when it happened: a rank's own exception when it
+    appeared (the rank may end much later, waiting in ``MPI_Finalize``), any other failure
+    when its rank ended (a signal :data:`SIGNAL_LEAD_S` earlier).  Ranks that died of
+    Horovod's "has been shut down" are consequences of another failure and count only when
+    nothing else failed."""
+    causes = [f for f in failures if not f.secondary] or list(failures)
+    if not causes:
+        return None
+
+    def happened(f: RankFailure) -> float:
+        if f.raised:
+            return f.raised_at
+        return f.time - (SIGNAL_LEAD_S if f.returncode < 0 else 0.0)
+
+    return min(causes, key=lambda f: (happened(f), f.time))
 
 
 def write_failure(directory: str, failure: RankFailure) -> None:

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from aiak_training.runner.env_map import is_exportable, launcher_env
 from aiak_training.runner.failure import (FAILURE_DIR_ENV, RankFailure, describe_returncode,
@@ -92,11 +92,13 @@ def rank_identities(hosts: Sequence[HostSlots]) -> List[Dict[str, str]]:
     return out
 
 
-def plan_job(args: argparse.Namespace, environ: Mapping[str, str],
-             run_dir: str) -> Tuple[Dict, Dict[str, str]]:
-    """The Gloo launcher's plan (JSON-able) and aiakrun's environment for it."""
+def plan_job(args: argparse.Namespace, environ: Mapping[str, str], run_dir: str,
+             stdin: Optional[IO[bytes]] = None) -> Tuple[Dict, Dict[str, str]]:
+    """The Gloo launcher's plan (JSON-able) and aiakrun's environment for it (``stdin``:
+    where a ``python -`` program is read from, default aiakrun's standard input)."""
     from aiak_training.common.env import env_bool
     from aiak_training.runner.args import network_interfaces
+    from aiak_training.runner.stdin_program import launcher_stdin, stdin_program_env
     from aiak_training.runner.rank_setup import (CLUSTER_IFACE_ENV, CLUSTER_LAUNCHER_ENV,
                                                  VIRTUAL_HOSTS_ENV, rank_command, rank_vars,
                                                  resolve_hosts)
@@ -116,6 +118,9 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str],
     internal = {FAILURE_DIR_ENV: failure_dir, "HOROVOD_CONTROLLER": "gloo"}
     if args.output_filename:
         internal[OUTPUT_DIR_ENV] = os.path.abspath(args.output_filename)
+    all_local = virtual or all(is_local_host(h.name) for h in hosts)
+    internal.update(stdin_program_env(args.command, args.num_proc, all_local, run_dir,
+                                      launcher_stdin() if stdin is None else stdin))
     env = launcher_env(environ, {**set_vars, **internal})
     remote_exec: List[str] = []
     if cluster_exec:
@@ -140,6 +145,7 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str],
 
 def run_gloo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     """aiakrun --gloo: plan, run the Gloo launcher under supervision, report."""
+    from aiak_training.runner.start_watch import arrivals, watch_start
     from aiak_training.runner.supervise import report, run_job
     run_dir = tempfile.mkdtemp(prefix="aiakrun.")
     try:
@@ -155,8 +161,18 @@ def run_gloo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         if args.verbose:
             print(f"aiakrun: {shlex.join(cmd)} ({len(plan['ranks'])} ranks over Gloo)",
                   file=sys.stderr, flush=True)
-        result = run_job(cmd, env, env[FAILURE_DIR_ENV])
+        hosts = {i: r["host"] for i, r in enumerate(plan["ranks"])}
+        result = run_job(cmd, env, env[FAILURE_DIR_ENV],
+                         start=watch_start(env, env[FAILURE_DIR_ENV], hosts,
+                                           "the Gloo rendezvous"))
         report(result, "the Gloo launcher")
+        if result.exit_code == 0 and all(r["local"] for r in plan["ranks"]) and \
+                not arrivals(env[FAILURE_DIR_ENV]):
+            # Every rank ended well without ever joining the job: say so rather than pass
+            # it off as a run (an empty `python -` program, a script that never calls init).
+            print(f"aiakrun: warning: all {len(plan['ranks'])} ranks exited 0 without "
+                  "joining the job: no rank called hvd.init(), nothing ran over Gloo",
+                  file=sys.stderr, flush=True)
         return result.exit_code
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -228,7 +244,12 @@ def launcher_main(plan_path: str) -> int:
     stop: List[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
-    store, port = start_rendezvous_server("0.0.0.0", 0)
+    # The store's socket listens before the ranks start, and torch (imported for the store)
+    # loads while they start: a short job does not wait for that import first.
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("0.0.0.0", 0))
+    listener.listen(512)
+    port = listener.getsockname()[1]
     env = dict(os.environ)
     common = {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_GLOO_RENDEZVOUS_ADDR":
               plan["rendezvous_addr"], "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port)}
@@ -243,14 +264,19 @@ def launcher_main(plan_path: str) -> int:
             argv = plan["remote_exec"] + [entry["host"], _remote_command(
                 rank_env, env, plan["cwd"], plan["command"])]
             child_env = env
+        # Local wrappers share this stdin and pass it on to rank 0 only (as MPI launchers
+        # do; runner/stdin_program.py); a remote launch gets none.
         proc = subprocess.Popen(argv, env=child_env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.PIPE,
+                                stdin=None if entry["local"] else subprocess.DEVNULL)
         r = _Rank(i, entry["host"], entry["local"], proc)
         for stream, console in ((proc.stdout, 1), (proc.stderr, 2)):
             t = threading.Thread(target=r.pump, args=(stream, console), daemon=True)
             t.start()
             r.threads.append(t)
         ranks.append(r)
+    # The store takes the socket over (it closes it when it ends).
+    store, _ = start_rendezvous_server("0.0.0.0", port, listen_fd=listener.detach())
     failure_dir = env.get(FAILURE_DIR_ENV, "")
     failures: List[Tuple[float, int]] = []  # (end time, return code) of failed ranks
     failed_at = stop_at = killed_at = None

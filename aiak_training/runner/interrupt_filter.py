@@ -16,15 +16,14 @@ import re
 import threading
 from typing import List
 
-_START = b"Traceback (most recent call last):"
-# Lines that continue a chained traceback rather than end it.
-_CHAIN = (b"During handling of the above exception, another exception occurred:",
-          b"The above exception was the direct cause of the following exception:")
+from aiak_training.runner.traceback_lines import (CHAIN as _CHAIN, MAX_HELD as _MAX_HELD,
+                                                  START as _START, LineFilter,
+                                                  continues_traceback)
+
 _INTERRUPT = re.compile(rb"^KeyboardInterrupt\b")
-_MAX_HELD = 2000
 
 
-class InterruptTracebackFilter:
+class InterruptTracebackFilter(LineFilter):
     """``feed(bytes) -> bytes`` over a byte stream.  Drops a traceback ending in
     ``KeyboardInterrupt`` once :meth:`activate` was called (the wrapper forwarded a Ctrl-C).
 
@@ -37,9 +36,8 @@ class InterruptTracebackFilter:
     grace_s = 0.5
 
     def __init__(self) -> None:
+        super().__init__()            # _held: the traceback being read
         self._active = threading.Event()
-        self._partial = b""
-        self._held: List[bytes] = []  # the traceback being read
         self._ended = False           # it ended in KeyboardInterrupt, to be dropped ...
         self._chained = False         # ... unless a chained traceback follows
 
@@ -57,21 +55,6 @@ class InterruptTracebackFilter:
     def activate(self) -> None:
         """A Ctrl-C was forwarded: from now on, interrupt tracebacks are not shown."""
         self._active.set()
-
-    def feed(self, data: bytes) -> bytes:
-        data = self._partial + data
-        lines = data.splitlines(keepends=True)
-        self._partial = b""
-        partial = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
-        out: List[bytes] = []
-        for line in lines:
-            out += self._line(line)
-        if partial:
-            if self._held or _START.startswith(partial) or partial.startswith(_START):
-                self._partial = partial  # completed by the next chunk
-            else:
-                out.append(partial)  # a prompt: not part of a traceback
-        return b"".join(out)
 
     def _line(self, line: bytes) -> List[bytes]:
         body = line.rstrip(b"\r\n")
@@ -94,8 +77,7 @@ class InterruptTracebackFilter:
             self._held, self._ended, self._chained = [], False, False
             return self._line(line)
         self._held.append(line)
-        if body[:1] in (b" ", b"\t") or not body.strip() or body.startswith(_START) \
-                or body in _CHAIN:
+        if continues_traceback(body):
             if len(self._held) > _MAX_HELD:
                 return self._release()
             return []

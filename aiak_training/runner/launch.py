@@ -10,10 +10,11 @@ import argparse
 import os
 import shlex
 import shutil
+import socket
 import stat
 import sys
 import tempfile
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from aiak_training.common.env import env_bool
 from aiak_training.runner.args import (ignored_flags, network_interfaces, parse_args,
@@ -28,6 +29,8 @@ from aiak_training.runner.mpi_run import LaunchSpec, build_mpi_command
 from aiak_training.runner.rank_setup import (CLUSTER_IFACE_ENV, CLUSTER_LAUNCHER_ENV,  # noqa: F401
                                              VIRTUAL_HOSTS_ENV, UsageError, _warn, rank_command,
                                              rank_vars, resolve_hosts)
+from aiak_training.runner.start_watch import watch_start
+from aiak_training.runner.stdin_program import launcher_stdin, stdin_program_env
 from aiak_training.runner.supervise import report, run_job
 from aiak_training.runner.task_wrapper import OUTPUT_DIR_ENV
 
@@ -46,10 +49,13 @@ def _ssh_agent(run_dir: str, port: Optional[int], identity: Optional[str]) -> st
 
 
 def prepare(args: argparse.Namespace, environ: Mapping[str, str], launcher: MpiLauncher,
-            run_dir: str) -> Tuple[LaunchSpec, Dict[str, str]]:
+            run_dir: str, stdin: Optional[IO[bytes]] = None
+            ) -> Tuple[LaunchSpec, Dict[str, str]]:
     """Work out the launch: returns ``(LaunchSpec, launcher environment)``.
 
-    Side effects are limited to ``run_dir`` (the ssh agent script for MPICH, if needed).
+    Side effects are limited to ``run_dir`` (the ssh agent script for MPICH, if needed; the
+    program of a ``python -`` job, read from ``stdin``, default aiakrun's, see
+    :mod:`stdin_program`).
     """
     virtual = args.virtual_hosts or env_bool(VIRTUAL_HOSTS_ENV, environ=environ)
     cluster_exec = environ.get(CLUSTER_LAUNCHER_ENV) or None
@@ -64,13 +70,15 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], launcher: MpiL
     placed = used_hosts(slots)
 
     set_vars = rank_vars(args, environ, virtual)
+    all_local = virtual or all(is_local_host(h.name) for h in placed)
     internal = {FAILURE_DIR_ENV: os.path.join(run_dir, "failures")}
     os.makedirs(internal[FAILURE_DIR_ENV], exist_ok=True)
     if args.output_filename:
         internal[OUTPUT_DIR_ENV] = os.path.abspath(args.output_filename)
+    internal.update(stdin_program_env(args.command, args.num_proc, all_local, run_dir,
+                                      launcher_stdin() if stdin is None else stdin))
     env = launcher_env(environ, {**set_vars, **internal})
 
-    all_local = virtual or all(is_local_host(h.name) for h in placed)
     cpus = os.cpu_count() or 1
     ssh_exec = None
     if (launcher.flavour is Flavour.MPICH and not cluster_hook
@@ -117,6 +125,17 @@ def proxy_hosts(spec: LaunchSpec, launcher: MpiLauncher) -> List[Tuple[str, List
     return out
 
 
+def rank_hosts(spec: LaunchSpec) -> Dict[int, str]:
+    """Each rank's host as the summary names it (this machine's name for a local host)."""
+    here = socket.gethostname()
+    out: Dict[int, str] = {}
+    for host in spec.hosts:
+        name = host.name if spec.virtual_hosts or not is_local_host(host.name) else here
+        for _ in range(host.slots):
+            out[len(out)] = name
+    return out
+
+
 def _version_text() -> str:
     from aiak_training.runner.check_build import HOROVOD_VERSION, aiak_version
     return f"aiakrun (aiak-training) {aiak_version()}, compatible with Horovod {HOROVOD_VERSION}"
@@ -143,6 +162,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         print("aiakrun: error: no command given (e.g. aiakrun -np 2 python train.py)",
               file=sys.stderr)
         return 2
+    if args.advise or args.what_if is not None:  # measure and predict (runner/advise.py)
+        from aiak_training.runner.advise import run_advise
+        return run_advise(args, argv)
     from aiak_training.runner.elastic.launch import elastic_requested, run_elastic
     if elastic_requested(args):  # --host-discovery-script / --min-np (runner/elastic/)
         return run_elastic(args, os.environ)
@@ -172,7 +194,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             print(f"aiakrun: {shlex.join(cmd)}", file=sys.stderr, flush=True)
         try:
             result = run_job(cmd, env, env[FAILURE_DIR_ENV],
-                             proxy_hosts=proxy_hosts(spec, launcher), output=output)
+                             proxy_hosts=proxy_hosts(spec, launcher), output=output,
+                             start=watch_start(env, env[FAILURE_DIR_ENV], rank_hosts(spec),
+                                               "MPI_Init"))
         except OSError as exc:  # the launcher vanished between detection and start
             print(f"aiakrun: error: could not run {launcher.path}: {exc}", file=sys.stderr)
             return 1

@@ -20,8 +20,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
 from aiak_training.runner import proc_tree
 from aiak_training.runner.blame import culprit_line, read_notes
-from aiak_training.runner.failure import (RankFailure, describe_returncode, has_failures,
-                                          read_failures, shell_status)
+from aiak_training.runner.failure import (RankFailure, describe_returncode, first_cause,
+                                          has_failures, read_failures, shell_status)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -75,6 +75,11 @@ class JobResult:
     # The rank that caused the failure when it is not the first to fail (runner/blame.py).
     culprit: Optional[str] = None
     hints: List[str] = field(default_factory=list)  # one-line advice printed after the summary
+
+    @property
+    def cause(self) -> Optional[RankFailure]:
+        """The failure the summary leads with (:func:`failure.first_cause`)."""
+        return first_cause(self.failures)
 
 
 class ProxyWatch:
@@ -207,8 +212,9 @@ class ProxyWatch:
 class _Supervisor:
     def __init__(self, cmd: Sequence[str], env: Mapping[str, str], failure_dir: str,
                  timeouts: Timeouts, proxy_hosts: Sequence[Tuple[str, Sequence[int]]] = (),
-                 output=None):
+                 output=None, start=None):
         self.cmd, self.env, self.failure_dir, self.t = list(cmd), dict(env), failure_dir, timeouts
+        self.start = start  # a start_watch.StartWatch, or None
         self.output = output  # a launcher_output.LauncherOutput, or None to inherit stdio
         self.proxy_hosts = list(proxy_hosts)
         self.pending: List[int] = []
@@ -250,6 +256,11 @@ class _Supervisor:
             try:
                 returncode = self._watch(proc)
                 failures = read_failures(self.failure_dir)
+                if self.start is not None and failures and self.stop_signal is None:
+                    # The job ended on a failure (maybe a rank's own rendezvous timeout):
+                    # if that came after the start deadline, the missing ranks are the cause.
+                    if self.start.check(wall_now=failures[0].time, force_read=True):
+                        failures = read_failures(self.failure_dir)
                 if returncode != 0 and not failures and self.stop_signal is None:
                     # No rank said what happened: the proxies tell (see ProxyWatch).  Those
                     # that outlive the launcher end right after it; let the watcher see them
@@ -294,6 +305,13 @@ class _Supervisor:
                     self._kill_everything()
             if failure_seen is None and has_failures(self.failure_dir):
                 failure_seen = now
+            if (self.start is not None and terminated_at is None and self.stop_signal is None
+                    and self.start.check()):
+                # Ranks never arrived: the others wait in MPI_Init or the rendezvous, which
+                # nothing ends by itself.  Stop the launcher now.
+                failure_seen = failure_seen or now
+                terminated_at = now
+                _send(proc, signal.SIGTERM)
             # When the launcher has had its chance to end the job by itself: SIGTERM it.
             deadline = float("inf")
             if failure_seen is not None:
@@ -328,30 +346,30 @@ def _exit_code(returncode: int, failures: Sequence[RankFailure], stop_signal: Op
 def run_job(cmd: Sequence[str], env: Mapping[str, str], failure_dir: str,
             timeouts: Optional[Timeouts] = None,
             proxy_hosts: Sequence[Tuple[str, Sequence[int]]] = (),
-            output=None) -> JobResult:
+            output=None, start=None) -> JobResult:
     """Run the launcher ``cmd`` to completion under supervision (see module docstring).
 
     ``proxy_hosts``: for MPICH's hydra, the hosts in launch order with their ranks, so that
     a host that vanished as a whole can be named (:class:`ProxyWatch`).
     ``output``: a :class:`launcher_output.LauncherOutput` that reads the launcher's stdout
     and stderr (termination banners filtered out); None lets the launcher write directly.
+    ``start``: a :class:`start_watch.StartWatch` that ends the job when ranks never arrive.
     """
     return _Supervisor(cmd, env, failure_dir, timeouts or Timeouts(), proxy_hosts,
-                       output).run()
+                       output, start).run()
 
 
 def report(result: JobResult, launcher: str, out: TextIO = sys.stderr) -> None:
-    """One summary line per problem, so the cause is the last thing on the console."""
-    if result.failures and result.culprit:
-        print(f"aiakrun: job failed: {result.culprit}; the other ranks were stopped", file=out)
+    """One summary line per problem, the cause last, so that it is the last thing on the
+    console: the ``job failed:`` line names the rank that failed first and what it died of
+    (its exception, signal or exit code; or, from the notes, the rank that caused it)."""
+    if result.failures:
+        cause = result.cause
         for other in result.failures:
-            print(f"aiakrun: also: {other.describe()}", file=out)
-    elif result.failures:
-        first = result.failures[0]
-        print(f"aiakrun: job failed: {first.describe()}; the other ranks were stopped",
-              file=out)
-        for other in result.failures[1:]:
-            print(f"aiakrun: also: {other.describe()}", file=out)
+            if other is not cause or result.culprit:
+                print(f"aiakrun: also: {other.describe()}", file=out)
+        headline = result.culprit or cause.describe()
+        print(f"aiakrun: job failed: {headline}; the other ranks were stopped", file=out)
     elif result.stop_signal is not None:
         print(f"aiakrun: stopped by {signal.Signals(result.stop_signal).name}", file=out)
     elif result.lost_hosts:

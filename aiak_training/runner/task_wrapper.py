@@ -10,6 +10,8 @@ MPI flavour:
   for aiakrun, and then dies by a signal.  MPICH's hydra aborts a job when a process is killed
   but not when one merely exits non-zero, while Open MPI aborts on both, so dying by a signal
   makes every launcher stop the remaining ranks at once;
+* only rank 0 gets the job's standard input (the other ranks an empty one), except for a
+  ``python -`` program, which every rank reads from aiakrun's copy (:mod:`stdin_program`);
 * the rank's stdout/stderr are passed on in whole lines (:mod:`line_pump`), so rank labels
   added by the MPI launcher are not scattered through unbuffered output;
 * ``--output-filename`` is implemented here (``$AIAK_OUTPUT_FILENAME/rank.<N>/{stdout,stderr}``,
@@ -18,6 +20,9 @@ MPI flavour:
   the rank's whole process tree when aiakrun dies, however it dies;
 * after a forwarded Ctrl-C, tracebacks ending in ``KeyboardInterrupt`` are not shown
   (:mod:`interrupt_filter`);
+* the exception the rank dies of goes into its failure record, and tracebacks of Horovod's
+  "has been shut down" error (another rank failed first) are cut to one line
+  (:mod:`rank_traceback`);
 * with Open MPI ``--virtual-hosts`` the rank's host identity arrives as a map
   (``$AIAK_VIRTUAL_HOST_MAP``, e.g. ``a:2,b:2``) and is set as ``HOROVOD_HOSTNAME`` here.
 
@@ -35,11 +40,13 @@ import threading
 import time
 from typing import IO, List, Mapping, Optional, Sequence
 
+from aiak_training.common.exit_guard import ARRIVAL_ENV
 from aiak_training.runner import liveness, proc_tree
 from aiak_training.runner.failure import (FAILURE_DIR_ENV, RankFailure, now, shell_status,
                                           write_failure)
-from aiak_training.runner.interrupt_filter import InterruptTracebackFilter
 from aiak_training.runner.line_pump import pump_lines, write_all
+from aiak_training.runner.rank_traceback import RankException, StderrFilter
+from aiak_training.runner.stdin_program import rank_stdin
 
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "HOROVOD_RANK")
 SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE")
@@ -97,10 +104,14 @@ def rank_dir_name(rank: Optional[int], size: Optional[int]) -> str:
 class _Child:
     """The wrapped command, its signal forwarding and its output (line by line, see line_pump)."""
 
-    def __init__(self, argv: List[str], env: Mapping[str, str], output_dir: Optional[str]):
+    def __init__(self, argv: List[str], env: Mapping[str, str], output_dir: Optional[str],
+                 stdin=None):
         self.stop_signal: Optional[int] = None
-        # After a forwarded Ctrl-C, Python's KeyboardInterrupt tracebacks are not shown.
-        self.stderr_filter = InterruptTracebackFilter()
+        self.stop_at: Optional[float] = None  # wall clock of the first stop signal
+        self.ended_at = 0.0                   # wall clock of the rank's end
+        # After a forwarded Ctrl-C, Python's KeyboardInterrupt tracebacks are not shown; the
+        # exception the rank dies of is noted, and secondary tracebacks are cut.
+        self.stderr_filter = StderrFilter()
         self._threads: List[threading.Thread] = []
         self._logs: List[IO[bytes]] = []
         parent = os.getpid()
@@ -123,8 +134,10 @@ class _Child:
         # close_fds=False: descriptors the launcher passed down (MPICH's PMI_FD) must reach the
         # rank.  Python opens its own files non-inheritable, so nothing of ours leaks.
         self.proc = subprocess.Popen(argv, env=dict(env), preexec_fn=die_with_parent,
-                                     close_fds=False, stdout=subprocess.PIPE,
+                                     close_fds=False, stdin=stdin, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE)
+        if hasattr(stdin, "close"):
+            stdin.close()  # the child has its own copy of the descriptor
         if self.stop_signal is not None:  # asked to stop while the child was being created
             self.proc.send_signal(self.stop_signal)
         for name, stream, console in (("stdout", self.proc.stdout, 1),
@@ -143,7 +156,7 @@ class _Child:
 
     def _forward(self, signum: int, _frame) -> None:
         if signum in STOP_SIGNALS and self.stop_signal is None:
-            self.stop_signal = signum
+            self.stop_signal, self.stop_at = signum, now()
         if signum == signal.SIGINT:
             self.stderr_filter.activate()
         proc = getattr(self, "proc", None)
@@ -156,7 +169,8 @@ class _Child:
     def stop_tree(self) -> None:
         """aiakrun is gone: end the rank and everything it started (SIGTERM, then SIGKILL)."""
         if self.stop_signal is None:
-            self.stop_signal = signal.SIGTERM  # not this rank's failure: no report
+            # Not this rank's failure: no report.
+            self.stop_signal, self.stop_at = signal.SIGTERM, now()
         pids = [self.proc.pid] + proc_tree.descendants(self.proc.pid)
         proc_tree.kill_all(pids, signal.SIGTERM)
         deadline = time.monotonic() + liveness.KILL_GRACE_S
@@ -170,6 +184,9 @@ class _Child:
 
     def wait(self) -> int:
         returncode = self.proc.wait()
+        # Stamped before the output is drained: peers' exceptions caused by this end must
+        # not seem to come first (runner/failure.first_cause orders by these times).
+        self.ended_at = now()
         for t in self._threads:
             # Grandchildren may keep the pipe open; do not wait for them forever.
             t.join(timeout=2.0)
@@ -197,6 +214,12 @@ def _die(returncode: int) -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
     os.kill(os.getpid(), sig)
     os._exit(shell_status(returncode) or 1)  # only reached if the signal did not kill us
+
+
+def _raised_before_stop(raised: Optional[RankException], stop_at: Optional[float]) -> bool:
+    """Whether the rank's program died of its own exception before the job was stopped."""
+    return (raised is not None and not raised.secondary and stop_at is not None
+            and raised.time <= stop_at and not raised.line.startswith("KeyboardInterrupt"))
 
 
 def _connect_launcher(value: str, rank: Optional[int], host: str):
@@ -238,12 +261,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     output_root = env.get(OUTPUT_DIR_ENV)
     output_dir = os.path.join(output_root, rank_dir_name(rank, size)) if output_root else None
     failure_dir = env.get(FAILURE_DIR_ENV, "")
+    if failure_dir:
+        env[ARRIVAL_ENV] = "1"  # the program notes when it reaches MPI_Init or the rendezvous
     launcher_link = _connect_launcher(env.pop(liveness.LIVENESS_ENV, ""), rank, host)
     if launcher_link is False:
         return 1  # aiakrun is already gone: do not start the rank at all
 
     try:
-        child = _Child(args, env, output_dir)
+        # Standard input: a `python -` program for every rank, else rank 0's only.
+        child = _Child(args, env, output_dir, stdin=rank_stdin(env, rank))
     except OSError as exc:
         failure = RankFailure(rank, host, 127, now(),
                               detail=f"could not start {args[0]!r}: {exc.strerror or exc}")
@@ -256,11 +282,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     returncode = child.wait()
     if returncode == 0:
         return 0
+    raised = child.stderr_filter.watch.last
+    cause = {} if raised is None else {"exception": raised.line, "raised_at": raised.time,
+                                       "secondary": raised.secondary}
     if child.stop_signal is not None:
         # The job is being stopped (Ctrl-C, or the launcher tearing down after another rank
-        # failed): not this rank's fault, so no report that could hide the real cause.
+        # failed): not this rank's fault, so no report that could hide the real cause ...
+        if _raised_before_stop(raised, child.stop_at):
+            # ... unless its program had already died of an exception of its own, and was
+            # stopped while it waited to end (in MPI_Finalize): a silent record, so that
+            # aiakrun's summary can name it.
+            write_failure(failure_dir, RankFailure(rank, host, returncode, now(), **cause))
         return shell_status(returncode)
-    failure = RankFailure(rank, host, returncode, now())
+    failure = RankFailure(rank, host, returncode, child.ended_at, **cause)
     _report(failure)
     write_failure(failure_dir, failure)
     _die(returncode)

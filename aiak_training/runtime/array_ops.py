@@ -67,7 +67,7 @@ def check_reduce_op(op: int, dtype: DataType, adasum: bool = False) -> ReduceOp:
         raise ValueError(f"Unknown reduce op {op!r}.") from None
     if rop == ReduceOp.ADASUM:
         if not adasum:
-            raise NotImplementedError(_adasum.NOT_FOR_REDUCESCATTER)
+            refuse_adasum_reducescatter(rop)
         _adasum.check_dtype(dtype)
     if dtype == DataType.BOOL and rop == ReduceOp.AVERAGE:
         raise ValueError("Average is not supported for bool tensors; use Sum/Max (logical or) "
@@ -215,8 +215,14 @@ def check_adasum_dtype(dtype: DataType, shown: Any = None) -> None:
     _adasum.check_dtype(dtype, shown)
 
 
-#: The error for Adasum asked of reducescatter.
-ADASUM_NOT_FOR_REDUCESCATTER = _adasum.NOT_FOR_REDUCESCATTER
+def refuse_adasum_reducescatter(op: Any) -> None:
+    """Horovod's ``NotImplementedError`` (a ``RuntimeError``) for a reducescatter asked to
+    use Adasum.  Every frontend calls this before it looks at the tensors, so the error is
+    the same whatever their dtype: code that catches ``RuntimeError`` there keeps working
+    for integer tensors too, which Adasum's own dtype check would refuse with a
+    ``ValueError``."""
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError(_adasum.NOT_FOR_REDUCESCATTER)
 
 
 def allreduce(arrays: Sequence[np.ndarray], names: Names, op: int,
@@ -291,6 +297,7 @@ def reducescatter(arrays: Sequence[np.ndarray], names: Names, op: int,
                   postscale_factor: float = 1.0) -> List[np.ndarray]:
     """Reduce each array over the members with ``op``; each member keeps its block of rows
     (rank order; the lowest ranks get one extra row when they do not divide evenly)."""
+    refuse_adasum_reducescatter(op)
     rop = _checked_op(op, arrays)
     for a in arrays:
         if np.ndim(a) == 0:

@@ -11,6 +11,7 @@ import sys
 import threading
 from typing import Dict, List, Optional, Sequence, Union
 
+from aiak_training.runtime import autotune as _autotune
 from aiak_training.common import build_info
 from aiak_training.common import exit_guard as _exit_guard
 from aiak_training.common import horovod_strings as hs
@@ -108,6 +109,7 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = N
         started.start()
         current.install(started)
         _startup_line.announce_start(started)  # rank 0: engine, transport, algorithm, switches
+        _autotune.start(started)  # HOROVOD_AUTOTUNE: attach the tuner (runtime/autotune/)
         global_process_set.ranks = list(range(started.topology.size))
         global_process_set.process_set_id = 0
         for set_id, ps in enumerate(process_sets or (), start=1):

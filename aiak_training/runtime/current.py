@@ -30,12 +30,12 @@ def engine() -> "Engine":
     stopped."""
     current = _engine
     if current is None or not current.running:
-        fatal = getattr(current, "_fatal", None)
-        if fatal:
-            # The engine stopped because the job failed (a peer died): every later operation
-            # fails as the pending ones did, as in Horovod, until shutdown() and init().
+        if current is not None:
+            # Still installed, yet stopped: not by shutdown() (which uninstalls it) but because
+            # the job failed or another rank shut down.  Every later operation fails as the
+            # pending ones did, as in Horovod, until shutdown() and init().
             from aiak_training.common.exceptions import HorovodInternalError
-            raise HorovodInternalError(fatal)
+            raise HorovodInternalError(getattr(current, "_fatal", None) or hs.SHUT_DOWN)
         raise ValueError(hs.NOT_INITIALIZED)
     return current
 

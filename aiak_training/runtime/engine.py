@@ -19,6 +19,7 @@ from aiak_training.common.exceptions import HorovodInternalError
 from aiak_training.common.messages import OpType, Request, Response
 from aiak_training.common.timeline import Timeline
 from aiak_training.common.topology import Topology, build_topology
+from aiak_training.runtime.autotune.knobs import tunable_algorithms
 from aiak_training.runtime.completion import Completer
 from aiak_training.runtime.controller import Controller
 from aiak_training.runtime.entries import Handle, HandleTable, SetState, TensorEntry
@@ -62,6 +63,12 @@ class Engine:
         # input from the hot path (see runtime/watchdog.py).
         self.cycle_started = time.monotonic()
         self.watchdog: Optional[Watchdog] = None
+        # The autotuner (runtime/autotune/) while it is tuning: it sees the name of every
+        # allreduce the global set is given, to find step boundaries; None otherwise.
+        self.autotune = None
+        # Every allreduce algorithm the global set may switch to, by name: filled when autotune
+        # may tune the algorithm (built at start-up, as they are collective to build).
+        self.algorithms: Dict[str, object] = {}
         self._abandoned: List[TensorEntry] = []  # see abandon()
         self._thread = threading.Thread(target=self._run, name="aiak-engine", daemon=True)
         self.handles = HandleTable(alive=self._thread.is_alive,
@@ -87,6 +94,7 @@ class Engine:
             # The engine thread is stuck inside MPI: neither joining it nor MPI_Finalize
             # could return, so the process ends here (exit code 75).
             self.watchdog.exit_process()
+        self._end_autotune()
         self._shutdown_requested = True
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -95,6 +103,12 @@ class Engine:
     @property
     def running(self) -> bool:
         return self._ready.is_set() and not self._stopped
+
+    def _end_autotune(self) -> None:
+        """The job ends while autotune is still tuning: let it report how far it got."""
+        tuner, self.autotune = self.autotune, None
+        if tuner is not None:
+            tuner.job_ended()
 
     @property
     def thread_ident(self) -> Optional[int]:
@@ -124,6 +138,8 @@ class Engine:
                                   0.0 if cfg.stall_check_disable else cfg.stall_check_time_s,
                                   cfg.stall_shutdown_time_s),
             algorithm=select_algorithm(cfg, topo, is_global=set_id == 0))
+        if set_id == 0:
+            self.algorithms = tunable_algorithms(cfg, topo, state.algorithm)
         with self._lock:
             self._sets[set_id] = state
 
@@ -195,6 +211,15 @@ class Engine:
     # ---- submission and completion -------------------------------------------------------
     def enqueue(self, set_id: int, requests: List[Request], entries: List[TensorEntry]) -> List[int]:
         """Submit requests atomically (a grouped op lands in one cycle).  Returns handles."""
+        tuner = self.autotune
+        if tuner is not None and set_id == 0:
+            for req in requests:
+                if req.op_type == OpType.ALLREDUCE:
+                    tuner.on_allreduce(req.name)
+        return self._enqueue(set_id, requests, entries)
+
+    def _enqueue(self, set_id: int, requests: List[Request],
+                 entries: List[TensorEntry]) -> List[int]:
         with self._lock:
             if self._fatal is not None:
                 raise HorovodInternalError(self._fatal)
@@ -232,9 +257,18 @@ class Engine:
         """One allreduce of host memory (``rank``: this rank in the set); returns its handle.
         The frontends' per-tensor hot path: :class:`NativeEngine` takes it without building
         Request/TensorEntry objects.  ``keep`` stays referenced until the handle is waited on."""
+        tuner = self.autotune
+        if tuner is not None and set_id == 0:
+            tuner.on_allreduce(name)
+        return self._submit_allreduce(set_id, rank, name, dtype, shape, in_addr, out_addr,
+                                      reduce_op, prescale, postscale, keep)
+
+    def _submit_allreduce(self, set_id: int, rank: int, name: str, dtype: int, shape: tuple,
+                          in_addr: int, out_addr: int, reduce_op: int, prescale: float,
+                          postscale: float, keep: object) -> int:
         req = Request(rank, name, OpType.ALLREDUCE, dtype, shape, reduce_op, prescale, postscale)
         entry = TensorEntry(name, dtype, shape, in_addr, out_addr, keep=keep)
-        return self.enqueue(set_id, [req], [entry])[0]
+        return self._enqueue(set_id, [req], [entry])[0]
 
     def poll(self, handle: int) -> bool:
         done = self.handles.poll(handle)
@@ -307,6 +341,12 @@ class Engine:
             if entries:
                 out[state.id] = [(e.name, e.nbytes) for e in entries]
         return out
+
+    def set_allreduce_algorithm(self, name: str) -> None:
+        """Make ``name`` (one of :attr:`algorithms`) the global set's allreduce algorithm.
+        Every rank must call it at the same point of its submissions, with none of the global
+        set's allreduces in flight (autotune does so at a step boundary)."""
+        self._sets[0].algorithm = self.algorithms[name]
 
     def run_control(self, set_id: int, op_type: OpType, name: str, payload=None):
         """Submit one control request (join, barrier, process-set changes) and wait for its

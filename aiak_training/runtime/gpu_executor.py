@@ -2,17 +2,20 @@
 
 Runs on the engine thread, called by :class:`aiak_training.runtime.executor.Executor` for
 responses with ``gpu=True``.  Everything is enqueued on one engine stream per device, which
-first waits for each tensor's ``ready_event`` (recorded on the producer's stream when the
-tensor was submitted).  A response completes as soon as its work is enqueued: each entry's
-handle gets a completion event, and the frontend makes the consumer's stream wait on it.
-The host never waits for the device on this path (the MPI fallback does, by design).
+first waits for the tensors' ``ready_event`` (recorded on the producer's stream when they were
+submitted: one event per call, shared by its tensors, so one wait per call).  A response
+completes as soon as its work is enqueued: one completion event is recorded for all its
+tensors, and the frontend makes the consumer's stream wait on it.  Shared events are counted
+(``Runtime.record``'s ``uses``), so the pool takes one back only from its last holder.  The
+host never waits for the device on this path (the MPI fallback does, by design).
 
 Transports, agreed by all ranks of a process set on its first GPU response:
 
 * **nccl**: collectives on the device.  Small allreduce tensors are packed into a device
   fusion buffer (one batched-copy kernel launch, or ``cudaMemcpyAsync`` per tensor without
   the kernel library); tensors of at least
-  ``AIAK_ZERO_COPY_BYTES`` are reduced straight from input to output.  Scale factors are
+  ``AIAK_ZERO_COPY_BYTES`` are reduced straight from input to output.  The allreduces of one
+  response (the direct ones and the fusion buffer's) are one NCCL group.  Scale factors are
   folded into the NCCL reduction (ncclAvg or a pre-multiplied sum;
   :func:`nccl.plan_reduction` lists where that rounds differently from Horovod); what NCCL
   cannot express (int16, Min/Max/Product with scale factors, fractional factors on
@@ -253,6 +256,7 @@ class GpuExecutor:
         self.rt.set_device(device)
         stream = stream_for(device)
         entries = []
+        waited = set()  # the tensors of one call share one ready event: one wait for them
         for r, e in zip(responses, found):
             if e is None:  # this rank joined: it contributes zeros
                 dtype = DataType(r.dtype)
@@ -267,8 +271,11 @@ class GpuExecutor:
                 e = TensorEntry(r.names[0], dtype, shape, addr, addr, device=device,
                                 stream=-1, allocate=lambda _shape, a=addr + nbytes: a)
             elif e.ready_event:
-                self.rt.wait_event(stream, e.ready_event)
-                self.rt.event_put(e.ready_event)
+                event = e.ready_event
+                if event not in waited:
+                    self.rt.wait_event(stream, event)
+                    waited.add(event)
+                self.rt.event_put(event)  # one use per entry (Runtime.record's ``uses``)
                 e.ready_event = 0
             entries.append(e)
         return entries
@@ -285,10 +292,12 @@ class GpuExecutor:
 
     def _complete(self, state: SetState, responses: List[Response], stream: int,
                   result=None) -> None:
-        events = {r.names[0]: self.rt.record(stream) for r in responses
-                  if r.names[0] in state.entries}
-        for r in responses:
-            self.completer.finish(state, [r], result=result, events=events)
+        # One completion event for the whole fused response, with one use per local tensor
+        # (the frontend gives each back): one record, not one per tensor.
+        local = [r.names[0] for r in responses if r.names[0] in state.entries]
+        events = dict.fromkeys(local, self.rt.record(stream, uses=len(local))) if local \
+            else None
+        self.completer.finish(state, responses, result=result, events=events)
         if self._scratch:  # joined-rank zeros: rare; wait, then free
             self.rt.stream_synchronize(stream)
             for addr in self._scratch:
@@ -324,8 +333,8 @@ class GpuExecutor:
         direct = [e for e in entries if e.nbytes >= zero_copy]
         if len(packed) == 1:
             direct, packed = direct + packed, []
-        for e in direct:
-            self._reduce_device(ctx, e.in_addr, e.out_addr, e.count, dtype, plan, stream)
+        # (send, recv, count) of each NCCL allreduce this response makes.
+        calls = [(e.in_addr, e.out_addr, e.count) for e in direct if e.count]
         if packed:
             # 16-byte slots keep the copy kernel on its vector path; the few padding elements
             # are reduced along (16 is a multiple of every element size) and never read.
@@ -335,7 +344,14 @@ class GpuExecutor:
             base = self._fusion_buffer(ctx.device, total)
             offsets = [base + off for off in offsets]
             self._device_copy(offsets, [e.in_addr for e in packed], sizes, stream)
-            self._reduce_device(ctx, base, base, total // itemsize, dtype, plan, stream)
+            if total:
+                calls.append((base, base, total // itemsize))
+        if self._hierarchical(ctx, plan[0], dtype):
+            for send, recv, count in calls:
+                self._hier_allreduce(ctx, send, recv, count, dtype, plan, stream)
+        elif calls:
+            self._flat_allreduce(ctx, calls, dtype, plan, stream)
+        if packed:
             self._device_copy([e.out_addr for e in packed], offsets, sizes, stream)
 
     def _device_copy(self, dsts, srcs, sizes, stream: int) -> None:
@@ -352,34 +368,69 @@ class GpuExecutor:
                             "one cudaMemcpyAsync per tensor from now on", exc)
         _copy(self.rt, dsts, srcs, sizes, stream, False)
 
-    def _reduce_device(self, ctx: _SetContext, send: int, recv: int, count: int,
-                       dtype: DataType, plan, stream: int) -> None:
-        if not count:
-            return
+    @staticmethod
+    def _hierarchical(ctx: _SetContext, op: int, dtype: DataType) -> bool:
+        # ncclAvg composes over the two levels only for floats (integer division truncates).
+        return ctx.hier and (op != nccl.AVG or dtype in (DataType.FLOAT16, DataType.BFLOAT16,
+                                                         DataType.FLOAT32, DataType.FLOAT64))
+
+    def _flat_allreduce(self, ctx: _SetContext, calls, dtype: DataType, plan,
+                        stream: int) -> None:
+        """The allreduces of one response on the global communicator: one reduction op for
+        all of them, and one NCCL group (one launch) when there are several."""
         op, factor = plan
         nccl_dtype = nccl.NCCL_DTYPE[dtype]
-        # ncclAvg composes over the two levels only for floats (integer division truncates).
-        if ctx.hier and (op != nccl.AVG or dtype in (DataType.FLOAT16, DataType.BFLOAT16,
-                                                      DataType.FLOAT32, DataType.FLOAT64)):
-            if send != recv:
-                self.rt.memcpy_async(recv, send, count * ITEMSIZE[dtype], stream)
-            cross_stream = self._stream(ctx.device, 1) if ctx.overlap else stream
-            nccl_hier_allreduce(self.rt, ctx.comms, recv, count, ITEMSIZE[dtype], nccl_dtype,
-                                op, factor, stream, cross_stream, ctx.local_rank,
-                                ctx.local_size, ctx.chunk_bytes)
-            return
         comm = ctx.comms["global"]
+        # The group ends before the custom op is destroyed: NCCL enqueues grouped calls at
+        # ncclGroupEnd, and the op must outlive them.
         with Reduction(comm, op, factor, nccl_dtype) as nccl_op:
-            comm.allreduce(send, recv, count, nccl_dtype, nccl_op, stream)
+            if len(calls) == 1:
+                send, recv, count = calls[0]
+                comm.allreduce(send, recv, count, nccl_dtype, nccl_op, stream)
+                return
+            comm.lib.group_start()
+            try:
+                for send, recv, count in calls:
+                    comm.allreduce(send, recv, count, nccl_dtype, nccl_op, stream)
+            finally:
+                comm.lib.group_end()
+
+    def _hier_allreduce(self, ctx: _SetContext, send: int, recv: int, count: int,
+                        dtype: DataType, plan, stream: int) -> None:
+        op, factor = plan
+        if send != recv:
+            self.rt.memcpy_async(recv, send, count * ITEMSIZE[dtype], stream)
+        cross_stream = self._stream(ctx.device, 1) if ctx.overlap else stream
+        nccl_hier_allreduce(self.rt, ctx.comms, recv, count, ITEMSIZE[dtype],
+                            nccl.NCCL_DTYPE[dtype], op, factor, stream, cross_stream,
+                            ctx.local_rank, ctx.local_size, ctx.chunk_bytes)
 
     def _staged_allreduce(self, state, entries, dtype, op, pre, post, stream) -> None:
         sizes = [e.nbytes for e in entries]
-        host = self._stage_in.get(sum(sizes))
-        offsets = pack(self.rt, host, [e.in_addr for e in entries], sizes, stream)
+        names = [e.name for e in entries]
+        if not (self._batched and len(entries) > 1):
+            host = self._stage_in.get(sum(sizes))
+            offsets = pack(self.rt, host, [e.in_addr for e in entries], sizes, stream)
+            self.rt.stream_synchronize(stream)
+            self.cpu.reduce_host(state, names, host, sum(sizes) // ITEMSIZE[dtype], dtype, op,
+                                 pre, post)
+            unpack(self.rt, [e.out_addr for e in entries], offsets, sizes, stream)
+            self._stage_in.release_after(stream)
+            return
+        # Gathered in the device fusion buffer first (one kernel launch per 64 tensors), then
+        # one copy each way: two DMA transfers instead of two per tensor.  The padding between
+        # slots is reduced along and never read, as on the NCCL path.
+        offsets = packed_offsets(0, sizes, FUSION_ALIGN)
+        total = offsets[-1] + sizes[-1]
+        base = self._fusion_buffer(self._current_device(), total)
+        slots = [base + off for off in offsets]
+        self._device_copy(slots, [e.in_addr for e in entries], sizes, stream)
+        host = self._stage_in.get(total)
+        self.rt.memcpy_async(host, base, total, stream)
         self.rt.stream_synchronize(stream)
-        self.cpu.reduce_host(state, [e.name for e in entries], host,
-                             sum(sizes) // ITEMSIZE[dtype], dtype, op, pre, post)
-        unpack(self.rt, [e.out_addr for e in entries], offsets, sizes, stream)
+        self.cpu.reduce_host(state, names, host, total // ITEMSIZE[dtype], dtype, op, pre, post)
+        self.rt.memcpy_async(base, host, total, stream)
+        self._device_copy([e.out_addr for e in entries], slots, sizes, stream)
         self._stage_in.release_after(stream)
 
     # ---- allgather / broadcast / alltoall / reducescatter ------------------------------

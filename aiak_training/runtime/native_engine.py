@@ -122,6 +122,7 @@ class NativeEngine(Engine):
             self.watchdog.exit_process()  # the native thread is stuck inside MPI
         if self._stopped:
             return
+        self._end_autotune()
         self.core.request_shutdown()
         self.core.join()
         self._stopped = True
@@ -159,6 +160,8 @@ class NativeEngine(Engine):
     def _config_changed(self, field: str, value) -> None:
         if field in ("fusion_threshold", "zero_copy_bytes"):
             setattr(self.core, field, int(value))
+        elif field == "cycle_time_ms":
+            self.core.cycle_time_s = float(value) / 1000.0
 
     # ---- process sets --------------------------------------------------------------------
     def _register_set(self, set_id: int, ranks: List[int], comm: MPI.Comm) -> None:
@@ -169,6 +172,16 @@ class NativeEngine(Engine):
         if flat:
             self._flat_sets.add(set_id)
 
+    def set_allreduce_algorithm(self, name: str) -> None:
+        super().set_allreduce_algorithm(name)
+        # Host allreduces of a flat set run in C++; the others go to the lane.
+        flat = self._sets[0].algorithm is flat_allreduce
+        if flat:
+            self._flat_sets.add(0)
+        else:
+            self._flat_sets.discard(0)
+        self.core.set_flat(0, flat)
+
     def _remove_set(self, set_id: int) -> bool:
         self._flat_sets.discard(set_id)
         removed = super()._remove_set(set_id)
@@ -177,7 +190,8 @@ class NativeEngine(Engine):
         return removed
 
     # ---- submission and completion -------------------------------------------------------
-    def enqueue(self, set_id: int, requests: List[Request], entries: List[TensorEntry]) -> List[int]:
+    def _enqueue(self, set_id: int, requests: List[Request],
+                 entries: List[TensorEntry]) -> List[int]:
         state = self._sets.get(set_id)
         flat = set_id in self._flat_sets
         tuples, lane_names = [], []
@@ -209,14 +223,14 @@ class NativeEngine(Engine):
         self._trace_submitted(requests)
         return handles
 
-    def submit_allreduce(self, set_id: int, rank: int, name: str, dtype: int, shape: tuple,
-                         in_addr: int, out_addr: int, reduce_op: int, prescale: float,
-                         postscale: float, keep: object) -> int:
+    def _submit_allreduce(self, set_id: int, rank: int, name: str, dtype: int, shape: tuple,
+                          in_addr: int, out_addr: int, reduce_op: int, prescale: float,
+                          postscale: float, keep: object) -> int:
         if set_id not in self._flat_sets or reduce_op == ReduceOp.ADASUM:
             # The lane runs it (hierarchical algorithm, Adasum), or enqueue raises the usual
             # error.
-            return super().submit_allreduce(set_id, rank, name, dtype, shape, in_addr, out_addr,
-                                            reduce_op, prescale, postscale, keep)
+            return super()._submit_allreduce(set_id, rank, name, dtype, shape, in_addr,
+                                             out_addr, reduce_op, prescale, postscale, keep)
         try:
             hid = self.core.enqueue_allreduce(set_id, rank, name, dtype, shape, in_addr,
                                               out_addr, reduce_op, prescale, postscale)

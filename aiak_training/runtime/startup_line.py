@@ -3,20 +3,23 @@
 Switches such as ``aiakrun --overlap-update`` or ``--fused-optimizer`` act far from where
 they are set (in the optimizer wrapper, at its first step), so a job gave no sign that they
 took effect.  At ``hvd.init()`` rank 0 therefore states, in one line: the engine, the
-transport (and the MPI library), the allreduce algorithm of the global set and why it was
-chosen, and every acceleration switched on by the environment.  Per-optimizer choices
-(compression, DGC) follow in one line when a ``DistributedOptimizer`` is made
-(:func:`announce`, used by the torch frontend).
+transport (and the MPI library), the GPU transport CUDA tensors would really take (the same
+answer as ``aiakrun --check-build``), the allreduce algorithm of the global set and why it was
+chosen, and every acceleration that is on with what switched it on (an aiakrun flag sets the
+variable named; a hierarchical allreduce may also be chosen by the topology).  Choices made in
+code, per optimizer (overlap, compression, DGC, a fused optimizer), follow in one line when a
+``DistributedOptimizer`` is made (:func:`announce`, used by the torch frontend).
 
-Under aiakrun (``$AIAK_FAILURE_DIR`` set) the line is always shown; elsewhere it is logged
-at INFO (``HOROVOD_LOG_LEVEL=info``), so that programs run by hand stay as quiet as Horovod's.
+Under aiakrun (``$AIAK_FAILURE_DIR`` set) the lines are shown unless the job asked for
+``--log-level WARNING`` or higher (``HOROVOD_LOG_LEVEL``); elsewhere they are logged at INFO
+(``HOROVOD_LOG_LEVEL=info``), so that programs run by hand stay as quiet as Horovod's.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from aiak_training.allreduce import resolve_algorithm
 from aiak_training.common.env import env_bool
@@ -37,6 +40,53 @@ def _mpi_library() -> str:
         return " ".join(words[:3]).rstrip(",")
     except Exception:  # noqa: BLE001 - only a description
         return "MPI"
+
+
+# HOROVOD_LOG_LEVEL values that silence the lines (aiakrun --log-level WARNING and higher).
+_QUIET_LEVELS = ("warning", "error", "fatal")
+
+
+def _visible_gpus() -> int:
+    """CUDA devices this process could use; 0 when there is no driver or runtime."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return 0
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(getattr(torch, "version", None), "cuda", "") is None \
+            and "tensorflow" not in sys.modules:
+        return 0  # a CPU build of torch: CUDA tensors cannot exist, so do not load libcudart
+    try:
+        from aiak_training.common.gpu import cudart
+        return int(cudart.runtime().device_count())
+    except Exception:  # noqa: BLE001 - no driver, no runtime: no GPU
+        return 0
+
+
+def gpu_path(wanted: str, nccl_version: int, devices: int) -> Tuple[str, str]:
+    """(transport, why) that CUDA tensors take: ``nccl``, ``mpi (staged)`` or ``none``.
+
+    ``wanted`` is the setting (:func:`aiak_training.common.config._gpu_transport`),
+    ``nccl_version`` a loadable NCCL's version code (0: none), ``devices`` the visible GPUs.
+    ``aiakrun --check-build`` and the start-up line both answer from here.
+    """
+    if devices < 1:
+        nccl = "NCCL found" if nccl_version else "NCCL not found"
+        return "none", f"no GPU visible; {nccl}"
+    if wanted == "mpi":
+        return "mpi (staged)", "asked for"
+    if nccl_version:
+        return "nccl", "NCCL found"
+    return "mpi (staged)", "NCCL not found"
+
+
+def _gpu_transport_part(config) -> str:
+    devices = _visible_gpus()
+    if devices < 1:
+        # Without a GPU the answer is "none" whatever NCCL is: skip its probe, whose dlopen
+        # attempts cost rank 0 ~15 ms inside hvd.init() and let it fall behind its peers.
+        return gpu_path(config.gpu_transport, 0, devices)[0]
+    from aiak_training.common import build_info
+    name, _why = gpu_path(config.gpu_transport, build_info.nccl_built(), devices)
+    return name
 
 
 def accelerations(environ=None) -> List[str]:
@@ -61,23 +111,34 @@ def describe(engine) -> str:
         parts.append("transport Gloo")
     else:
         parts.append(f"transport MPI ({_mpi_library()})")
-    parts.append(f"GPU collectives {engine.config.gpu_transport}")
+    parts.append(f"GPU collectives {_gpu_transport_part(engine.config)}")
+    on: List[str] = []
     try:
         name, why = resolve_algorithm(engine.config, topology, is_global=True)
         state = getattr(engine, "_sets", {}).get(0)
         actual = getattr(getattr(state, "algorithm", None), "name", None) or name
         parts.append(f"allreduce {actual} ({why}; {topology.num_nodes} node(s), "
                      f"{topology.size} rank(s))")
+        if actual.startswith("hier"):
+            on.append(f"hierarchical allreduce ({_hier_source(why)})")
     except Exception as exc:  # noqa: BLE001 - a description must not stop the job
         parts.append(f"allreduce ? ({exc})")
-    on = accelerations()
-    parts.append("accelerations: " + (", ".join(on) if on else "none switched on by the "
-                                      "environment"))
+    on += accelerations()
+    parts.append("accelerations: " + (", ".join(on) if on else "none"))
     return "; ".join(parts)
+
+
+def _hier_source(why: str) -> str:
+    """What switched a hierarchical allreduce on, from :func:`resolve_algorithm`'s reason."""
+    if why.startswith("AIAK_ALLREDUCE_ALGO=auto"):
+        return "chosen by the topology: several nodes with several ranks"
+    return why
 
 
 def announce(text: str) -> None:
     """Show ``text`` as described in the module docstring."""
+    if os.environ.get("HOROVOD_LOG_LEVEL", "").strip().lower() in _QUIET_LEVELS:
+        return
     if os.environ.get(_UNDER_AIAKRUN_ENV) and not log.isEnabledFor(logging.INFO):
         try:
             sys.stderr.write(f"[aiak_training INFO] {text}\n")

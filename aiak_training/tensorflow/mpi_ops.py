@@ -382,6 +382,7 @@ def _scattered_rows(shape: tf.TensorShape, process_set: ProcessSet) -> tf.Tensor
 def _reducescatter_group(tensors: Sequence[TensorLike], grouped: bool, name: Optional[str],
                          op: int, ignore_name_scope: bool, process_set: ProcessSet,
                          prescale_factor: float, postscale_factor: float) -> List[tf.Tensor]:
+    array_ops.refuse_adasum_reducescatter(op)  # before the dtype checks, as in Horovod
     inputs = _inputs(tensors, name)
     if not inputs:
         return []

@@ -70,7 +70,8 @@ class _LocalAggregation:
     """``backward_passes_per_step``: gradients summed in local (non-trainable, not saved
     with the model's variables) sums; on every N-th pass the sums are reduced over the
     ranks and applied, and cleared.  In between, ``apply_gradients`` does nothing (a global
-    step passed to it advances only when gradients are applied, as in Horovod)."""
+    step passed to it advances only when gradients are applied, as in Horovod).
+    ``counter`` holds the passes since the last combination, as Horovod's does."""
 
     def __init__(self, passes: int, average: bool):
         self.passes = passes
@@ -102,7 +103,7 @@ class _LocalAggregation:
                    for s, i in zip(self.sums, present)]
         with tf.control_dependencies(updates):
             count = self.counter.assign_add(1)
-        self.ready = tf.equal(tf.math.floormod(count, self.passes), 0)
+        self.ready = tf.equal(count, self.passes)
 
         def reduce_and_clear():
             with tf.control_dependencies([count]):
@@ -110,8 +111,12 @@ class _LocalAggregation:
             if self.average:
                 values = [v / tf.cast(self.passes, v.dtype) for v in values]
             reduced = reduce(values)
+            # Cleared by assignment, not by subtraction: an inf or nan in one cycle's sums
+            # must not leak into the next.  The counter restarts, so that it always holds
+            # the passes since the last combination (Horovod's ``_agg_helper.counter``).
             with tf.control_dependencies(reduced):
                 clears = [s.assign(tf.zeros_like(s)) for s in self.sums]
+                clears.append(self.counter.assign(0))
             with tf.control_dependencies(clears):
                 return [tf.identity(r) for r in reduced]
 

@@ -22,72 +22,42 @@ Differences from the Average/Sum optimizer, as in Horovod: ``synchronize()`` doe
 apply.  The global process set only.
 """
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 
-from aiak_training.common import horovod_strings as hs
 from aiak_training.torch.mpi_ops import Adasum, allreduce_async_, synchronize
+from aiak_training.torch.wrapper import DistributedWrapper, NamedParameters
 
 _SKIP_SYNCHRONIZE = ("skip_synchronize() is not supported with op=Adasum: each parameter is "
                      "stepped before its update is reduced, so there is nothing to skip.")
 
 
-class _DistributedAdasumOptimizer(torch.optim.Optimizer):
-    """Methods of the subclass of the user's optimizer class that ``DistributedOptimizer``
-    builds for ``op=Adasum``.  The wrapped optimizer is reached through
-    ``super(type(self), self)``."""
+class AdasumDeltaStrategy(DistributedWrapper):
+    """The Adasum delta strategy of the distributed-optimizer wrapper (see ``wrapper.py``;
+    ``DistributedOptimizer`` picks it for ``op=Adasum``)."""
 
-    _aiak_distributed = True
-
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step,
-                 check_names: Callable[[Any, Any], List[Tuple[str, torch.Tensor]]]):
-        super(type(self), self).__init__(params)
-        # check_names(self, named_parameters): the Average optimizer's validation (Horovod's
-        # errors), handed in by optimizer.py, which imports this module.
-        named = sorted(check_names(self, named_parameters), key=lambda pair: pair[0])
-        self._parameter_names = {p: name for name, p in named}
+    def __init__(self, params: Any, named_parameters: Optional[NamedParameters],
+                 compression: Any, backward_passes_per_step: int):
+        super().__init__(params, named_parameters, backward_passes_per_step, Adasum)
         self._compression = compression
-        self.op = Adasum
-        self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {p: backward_passes_per_step for _, p in named}
-        # p -> (handle or None, compression ctx); None: passes counted, nothing started yet.
-        self._handles: Dict[torch.Tensor, Tuple[Any, Any]] = {}
-        self._requires_update = set()
-        self._grad_accs: List[Any] = []
         # Each parameter's value before its local step: the base the reduced delta goes on.
-        self._starting_models = {p: torch.zeros_like(p, requires_grad=False) for _, p in named}
+        self._starting_models = {p: torch.zeros_like(p, requires_grad=False)
+                                 for p in self._parameter_names}
         self._register_hooks()
 
     # ---- hooks ----------------------------------------------------------------------------
     def _register_hooks(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                if p.grad is None:
-                    # As Horovod: a gradient exists from the start, so a parameter the forward
-                    # pass skipped still steps (on zeros) and takes part in the reduction.
-                    p.grad = p.data.new_zeros(p.size())
-                self._requires_update.add(p)
-                self._grad_accs.append(self._attach_hook(p))
-
-    def _attach_hook(self, p: torch.Tensor) -> Any:
-        def hook(*_unused):
-            self._gradient_ready(p)
-        if hasattr(p, "register_post_accumulate_grad_hook"):
-            return p.register_post_accumulate_grad_hook(hook)
-        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]  # torch < 2.1
-        accumulator.register_hook(lambda *_: hook())
-        return accumulator
+        for p in self._trainable():
+            if p.grad is None:
+                # As Horovod: a gradient exists from the start, so a parameter the forward
+                # pass skipped still steps (on zeros) and takes part in the reduction.
+                p.grad = p.data.new_zeros(p.size())
+            self._requires_update.add(p)
+            self._grad_accs.append(self._attach_hook(p))
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        entry = self._handles.get(p)
-        if entry is not None and entry[0] is not None and self._allreduce_delay[p] <= 0:
-            raise AssertionError(hs.TOO_MANY_BACKWARD_PASSES)
-        assert self._allreduce_delay[p] > 0
-        self._allreduce_delay[p] -= 1
-        if self._allreduce_delay[p] == 0:
+        if self._count_pass(p):
             self._handles[p] = self._step_and_reduce(p)
         else:
             self._handles[p] = (None, None)
@@ -97,16 +67,8 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         """Step ``p`` alone with the wrapped optimizer, leave ``p - start`` in ``p`` and start
         its Adasum allreduce."""
         start = self._starting_models[p]
-        # The wrapped step() updates every parameter of its groups: show it only ``p``.
-        stashed = [group["params"] for group in self.param_groups]
-        try:
-            for group in self.param_groups:
-                group["params"] = [p] if any(p is q for q in group["params"]) else []
-            start.copy_(p.data)
-            super(type(self), self).step()
-        finally:
-            for group, params in zip(self.param_groups, stashed):
-                group["params"] = params
+        start.copy_(p.data)
+        self._step_only([p])
         p.data.sub_(start)
         payload, ctx = self._compression.compress(p.data)
         handle = allreduce_async_(payload, name=self._parameter_names.get(p), op=Adasum)
@@ -134,40 +96,6 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
             base = self._starting_models[p]
             torch.add(base, reduced.data, out=p.data)
             base.copy_(p.data)
-            self._allreduce_delay[p] = self.backward_passes_per_step
+            self._rearm(p)
         self._handles.clear()
         return loss
-
-    def zero_grad(self, *args, **kwargs):
-        # p holds its delta, being reduced in place, until step(): refuse to race with it.
-        if self._handles:
-            raise AssertionError(hs.ZERO_GRAD_RACE)
-        return super(type(self), self).zero_grad(*args, **kwargs)
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change how many backward passes are accumulated per step; restarts the count."""
-        self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
-
-    def load_state_dict(self, *args, **kwargs):
-        self._handles = {}
-        self.set_backward_passes_per_step(self.backward_passes_per_step)
-        super(type(self), self).load_state_dict(*args, **kwargs)
-
-
-def distributed_adasum_optimizer(optimizer: torch.optim.Optimizer, named_parameters: Optional[Any],
-                                 compression: Any, backward_passes_per_step: int,
-                                 check_names: Callable[[Any, Any], List[Tuple[str, torch.Tensor]]]
-                                 ) -> torch.optim.Optimizer:
-    """The delta optimizer around ``optimizer`` (see the module docstring): an instance of a
-    subclass of ``type(optimizer)`` sharing its param groups, with its state carried over.
-    ``check_names(opt, named_parameters)`` validates the names as the Average optimizer does."""
-    base = optimizer.__class__
-    cls = type(base.__name__, (base,), dict(_DistributedAdasumOptimizer.__dict__))
-    wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-                  check_names)
-    for p, s in optimizer.state.items():
-        wrapped.state[p] = s
-    wrapped.defaults.update(optimizer.defaults)
-    return wrapped

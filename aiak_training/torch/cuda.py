@@ -6,7 +6,7 @@ for the producer through an event recorded on ``torch.cuda.current_stream()`` at
 and ``synchronize`` makes the then-current stream (and the submitting one) wait for the
 result, so no host or device synchronize is needed on the hot path.
 """
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -32,32 +32,45 @@ def used_device() -> Optional[int]:
     return _device
 
 
-def ready(tensor: torch.Tensor) -> Tuple[int, "torch.cuda.Stream", int]:
-    """(device, producer stream, ready event recorded on it) for a tensor being submitted."""
+def ready(tensors: Sequence[torch.Tensor]) -> Tuple[int, "torch.cuda.Stream", int]:
+    """(device, producer stream, ready event) for the tensors of one call: the device and
+    stream are looked up once, and one event recorded on the stream serves every tensor
+    (it has one use per tensor, which the engine gives back as it takes each one)."""
     from aiak_training.common.gpu.cudart import runtime
-    device = check_device(tensor)
-    with torch.cuda.device(device):
+    device = check_device(tensors[0])
+    for t in tensors[1:]:
+        check_device(t)
+    with torch.cuda.device(device):  # a new pooled event is created on the current device
         stream = torch.cuda.current_stream(device)
-        return device, stream, runtime().record(int(stream.cuda_stream))
+        return device, stream, runtime().record(int(stream.cuda_stream), uses=len(tensors))
 
 
-def consume(device: int, event: int, submitted_on: Optional["torch.cuda.Stream"]) -> None:
-    """Make the current stream on ``device`` wait for a completion event, then pool it.
+def consume(device: int, events: Sequence[int],
+            submitted_on: Optional["torch.cuda.Stream"]) -> None:
+    """Make the current stream on ``device`` wait for the completion events of a call's
+    tensors, then give each back.  Tensors of one fused response share an event, so each
+    distinct event is waited on once.
 
     The stream the op was submitted from waits too: the inputs were allocated there, and
     once the caller drops them the caching allocator may hand their memory to that stream's
     next kernels, which must not run before the engine has finished reading it.
     """
-    if not event:
+    distinct = [e for e in dict.fromkeys(events) if e]
+    if not distinct:
         return
     from aiak_training.common.gpu.cudart import runtime
     rt = runtime()
     with torch.cuda.device(device):
         current = torch.cuda.current_stream(device)
-        rt.wait_event(int(current.cuda_stream), event)
+        waiting = [int(current.cuda_stream)]
         if submitted_on is not None and submitted_on != current:
-            rt.wait_event(int(submitted_on.cuda_stream), event)
-    rt.event_put(event)
+            waiting.append(int(submitted_on.cuda_stream))
+        for event in distinct:
+            for stream in waiting:
+                rt.wait_event(stream, event)
+    for event in events:
+        if event:
+            rt.event_put(event)
 
 
 def event_done(event: int) -> bool:

@@ -67,7 +67,7 @@ def _create_state(optimizer) -> None:
         # The wrapper's step() would allreduce all these zero gradients, a collective that
         # only adds traffic (and hangs unless every member steps); creating state needs
         # just the wrapped class's step().
-        super(type(optimizer), optimizer).step()
+        optimizer._wrapped_step()
     else:
         optimizer.step()
     with torch.no_grad():
@@ -135,6 +135,10 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(hs.LBFGS_STATE)
+    if getattr(optimizer, "_aiak_sharded", False):
+        # shard_optimizer_state=True: each shard's state exists on one rank only.
+        optimizer.broadcast_options(root_rank)
+        return
     state_dict = optimizer.state_dict()
     if not state_dict["state"]:
         _create_state(optimizer)

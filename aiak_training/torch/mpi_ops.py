@@ -124,26 +124,27 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
     set_rank = array_ops.set_rank(process_set, engine)
     dtypes = [_dtype(inp) for inp, _ in pairs]  # all valid before a name is taken
     on_gpu = pairs[0][0].is_cuda
-    if len(pairs) > 1 and any(inp.is_cuda != on_gpu for inp, _ in pairs):
-        raise ValueError("A grouped operation takes tensors on one kind of device: got CPU and "
-                         "CUDA tensors mixed.")
+    if len(pairs) > 1:
+        other = next((inp for inp, _ in pairs if inp.is_cuda != on_gpu), None)
+        if other is not None:
+            raise ValueError(f"A grouped operation takes tensors on one device: got "
+                             f"{pairs[0][0].device} and {other.device} tensors mixed in one "
+                             "call. Move them to one device first.")
     names = names.resolve(len(pairs), process_set.process_set_id)
-    requests, entries, streams = [], [], []
-    device = -1
+    requests, entries = [], []
+    device, stream, event = -1, None, 0
+    if on_gpu:  # one device, one producer stream and one ready event for the whole call
+        device, stream, event = _cuda.ready([inp for inp, _ in pairs])
+    cuda_stream = int(stream.cuda_stream) if on_gpu else 0
     for i, ((inp, out), name, dt) in enumerate(zip(pairs, names, dtypes)):
         shape = tuple(inp.shape)
-        stream, event = None, 0
-        if on_gpu:
-            device, stream, event = _cuda.ready(inp)
-            streams.append(stream)
         # Positional arguments: this runs once per tensor per step.
         requests.append(Request(set_rank, name, op_type, int(dt), shape, device=device,
                                 **fields))
         entries.append(TensorEntry(name, dt, shape, inp.data_ptr(),
                                    out.data_ptr() if out is not None else 0,
                                    allocate(i, stream) if allocate else None, -1, None,
-                                   (inp, out), device,
-                                   int(stream.cuda_stream) if on_gpu else 0, event))
+                                   (inp, out), device, cuda_stream, event))
     handles = engine.enqueue(process_set.process_set_id, requests, entries)
     user_handle = handles[0]
 
@@ -152,8 +153,7 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
         if on_gpu:
             # The engine's stream may still be working: the consumer's stream waits for it.
             # Until then the inputs stay referenced here, so their memory is not reused.
-            for h, stream in zip(done, streams):
-                _cuda.consume(device, h.event, stream)
+            _cuda.consume(device, [h.event for h in done], stream)
             del pairs[:]
         return finish([h.result for h in done])
     _handle_map[user_handle] = complete
@@ -669,12 +669,11 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[torch.Tensor, Sequence
 # ---- reducescatter ------------------------------------------------------------------------
 def _reducescatter_async(tensors, names, op, prescale_factor, postscale_factor, process_set,
                          finish) -> int:
+    array_ops.refuse_adasum_reducescatter(op)  # before the dtype checks, as in Horovod
     srcs = []
     for t in tensors:
         _check_tensor(t)
         rop = _check_op(op, t)
-        if rop == ReduceOp.ADASUM:
-            raise NotImplementedError(array_ops.ADASUM_NOT_FOR_REDUCESCATTER)
         if t.dim() == 0:
             raise ValueError("reducescatter requires a tensor of rank >= 1 (got a scalar).")
         srcs.append(t.contiguous())
@@ -748,7 +747,7 @@ def poll(handle: int) -> bool:
     # Every tensor of the op is enqueued, and the device has finished all of them.
     handles = _gpu_handles[handle]
     return all(engine.poll(h) for h in handles) and \
-        all(_cuda.event_done(engine.handle_event(h)) for h in handles)
+        all(_cuda.event_done(e) for e in {engine.handle_event(h) for h in handles})
 
 
 def synchronize(handle: int) -> Any:

@@ -12,8 +12,7 @@ not start a reduction yet (more passes to accumulate, or a group still incomplet
 import itertools
 import os
 import warnings
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -25,8 +24,8 @@ from aiak_training.torch.compression import Compression
 from aiak_training.torch.mpi_ops import (Adasum, Average, allreduce_async_,
                                          grouped_allreduce_async_, size,
                                          sparse_allreduce_async, synchronize)
+from aiak_training.torch.wrapper import DistributedWrapper, NamedParameters, wrap
 
-NamedParameters = Iterable[Tuple[str, torch.Tensor]]
 Groups = Union[int, List[List[torch.Tensor]]]
 
 
@@ -64,35 +63,21 @@ def _zeros_if_missing(p: torch.Tensor) -> None:
         p.grad = p.data.new_zeros(p.size())
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
-    """Methods of the class ``DistributedOptimizer`` builds on top of the user's optimizer
-    class.  They reach the wrapped optimizer through ``super(type(self), self)``."""
+class _DistributedOptimizer(DistributedWrapper):
+    """The allreduce strategy (Horovod's ``_DistributedOptimizer``): each gradient is
+    reduced in the background from its hook; ``step()`` waits and runs the wrapped optimizer.
+    Shared machinery (names, passes, hooks, the wrapped step) is in ``wrapper.py``."""
 
-    _aiak_distributed = True
+    _aiak_overlap_ok = True
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
                  op=Average, gradient_predivide_factor=1.0, groups=None,
                  sparse_as_dense=False, process_set=global_process_set,
                  overlap_update: Optional[bool] = None):
-        super(type(self), self).__init__(params)
-        named = sorted(self._checked_names(named_parameters), key=lambda pair: pair[0])
-        self._parameter_names = {p: name for name, p in named}
-        # Counts down the passes still to accumulate before a parameter's gradient is sent.
-        self._allreduce_delay = {p: backward_passes_per_step for _, p in named}
-        self.backward_passes_per_step = backward_passes_per_step
+        super().__init__(params, named_parameters, backward_passes_per_step, op, process_set)
         self._compression = compression
-        self.op = op
-        self.process_set = process_set
         self.sparse_as_dense = sparse_as_dense
         self.gradient_predivide_factor = gradient_predivide_factor
-
-        # _synchronized: synchronize() ran since the last step(); _should_synchronize: False
-        # inside skip_synchronize().
-        self._should_synchronize = True
-        self._synchronized = False
-        self._handles: Dict = {}
-        self._grad_accs: List = []
-        self._requires_update = set()
 
         _check_groups(groups)
         self._groups = groups
@@ -105,68 +90,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._register_hooks()
 
         # Overlapped update (None: off).  Decided once here; each step may still fall back.
-        self._overlap: Optional[_overlap.Overlap] = None
         if _overlap.requested(overlap_update):
-            reason, check = _overlap.Overlap.static_reason(self, _DistributedOptimizer)
+            reason, check = _overlap.Overlap.static_reason(self)
             if reason is None:
                 self._overlap = _overlap.Overlap(check)
             else:
                 _overlap.log_fallback_once(set(), reason)
-
-    def _checked_names(self, named_parameters: Optional[NamedParameters]
-                       ) -> List[Tuple[str, torch.Tensor]]:
-        """``named_parameters`` as a list, validated; generated names when it is None (they
-        only label the reductions, and are the same on every rank)."""
-        if named_parameters is None:
-            pairs = [(f"allreduce.noname.{gi}.{pi}", p)
-                     for gi, group in enumerate(self.param_groups)
-                     for pi, p in enumerate(group["params"])]
-        else:
-            pairs = list(named_parameters)
-        if not all(isinstance(pair, tuple) for pair in pairs):
-            raise ValueError(hs.NAMED_PARAMETERS_NOT_TUPLES)
-        repeated = _DistributedOptimizer.find_duplicates(name for name, _ in pairs)
-        if repeated:
-            raise ValueError(hs.NAMED_PARAMETERS_DUPLICATES.format(", ".join(repeated)))
-        every_id = {id(p) for group in self.param_groups for p in group["params"]}
-        nameless = every_id - {id(p) for _, p in pairs}
-        if nameless:
-            raise ValueError(hs.NAMED_PARAMETERS_INCOMPLETE.format(
-                ", ".join(map(str, nameless))))
-        return pairs
-
-    def overlap_stats(self) -> dict:
-        """Counters of the overlapped update (``overlap_update``): steps overlapped and fallen
-        back (by reason), buckets, parameter updates, and the update time hidden behind
-        communication.  Empty when overlap is off."""
-        return {} if self._overlap is None else self._overlap.stats.as_dict()
-
-    def _rearm(self, p: torch.Tensor) -> None:
-        self._allreduce_delay[p] = self.backward_passes_per_step
-
-    def _rearm_all(self) -> None:
-        self._allreduce_delay.update(
-            dict.fromkeys(self._allreduce_delay, self.backward_passes_per_step))
-
-    def load_state_dict(self, *args, **kwargs):
-        # Reductions still in flight belong to the state being replaced: forget them.
-        self._handles = {}
-        self._rearm_all()
-        self._should_synchronize, self._synchronized = True, False
-        super(type(self), self).load_state_dict(*args, **kwargs)
-
-    @staticmethod
-    def find_duplicates(lst: Iterable) -> set:
-        """The items that occur more than once in ``lst``."""
-        seen, repeated = set(), set()
-        for item in lst:
-            (repeated if item in seen else seen).add(item)
-        return repeated
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change how many backward passes are accumulated per step; restarts the count."""
-        self.backward_passes_per_step = passes
-        self._rearm_all()
 
     # ---- hooks --------------------------------------------------------------------------
     def _register_hooks(self) -> None:
@@ -198,31 +127,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._group_counts[members] = 0
             self._p_to_group.update(dict.fromkeys(members, members))
 
-    def _attach_hook(self, p: torch.Tensor) -> Any:
-        """Run ``_make_hook(p)`` whenever ``p``'s gradient has been accumulated; returns what
-        keeps the hook registered."""
-        hook = self._make_hook(p)
-        if hasattr(p, "register_post_accumulate_grad_hook"):
-            return p.register_post_accumulate_grad_hook(hook)
-        # torch < 2.1: hook the AccumulateGrad node that feeds p.grad.
-        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
-        accumulator.register_hook(lambda *_: hook(p))
-        return accumulator
-
-    def _make_hook(self, p: torch.Tensor) -> Callable[..., None]:
-        def hook(*_unused):
-            self._gradient_ready(p)
-        return hook
-
     def _gradient_ready(self, p: torch.Tensor) -> None:
-        entry = self._handles.get(p)
-        started = entry is not None and entry[0] is not None
-        if started and self._allreduce_delay[p] <= 0:
-            raise AssertionError(hs.TOO_MANY_BACKWARD_PASSES)
+        last = self._count_pass(p)
         assert not p.grad.requires_grad
-        assert self._allreduce_delay[p] > 0
-        self._allreduce_delay[p] -= 1
-        if self._allreduce_delay[p] != 0:
+        if not last:
             self._handles[p] = (None, None)
         elif self._groups is None:
             self._handles[p] = self._allreduce_grad_async(p)
@@ -235,14 +143,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._handles[p] = (None, None)
 
     # ---- starting reductions --------------------------------------------------------------
-    def _scale_factors(self) -> Tuple[float, float]:
-        """(prescale, postscale) for a gradient allreduce.  For Average the engine divides by
-        the set size after the sum itself; the predivide factor moves part of that division
-        before the sum (keeps half-precision sums in range)."""
-        if self.op != Average:
-            return 1.0, 1.0
-        return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-
     def _allreduce_grad_async(self, p: torch.Tensor) -> Tuple[Any, Any]:
         _zeros_if_missing(p)
         name = self._parameter_names.get(p)
@@ -337,20 +237,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles.clear()
         self._synchronized = True
 
-    def _synchronize_for_step(self) -> None:
-        """step()'s synchronize(), unless the script already called it and is inside
-        ``skip_synchronize()``."""
-        if not self._should_synchronize:
-            self._synchronized = False
-            return
-        if self._synchronized:
-            # Reducing the already averaged gradients again costs a full round of traffic.
-            warnings.warn(hs.STEP_AFTER_SYNCHRONIZE)
-        self.synchronize()
-        self._synchronized = False
-
     def step(self, closure=None):
-        wrapped_step = super(type(self), self).step
+        wrapped_step = self._wrapped_step
         overlap = self._overlap
         if overlap is not None:
             overlap.stats.steps += 1
@@ -365,37 +253,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronize_for_step()
         return wrapped_step(closure)
 
-    @contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Make ``step()`` use the gradients as they are, without synchronizing, inside this
-        block: for when ``synchronize()`` already ran, e.g. to clip the averaged gradients::
-
-            optimizer.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            with optimizer.skip_synchronize():
-                optimizer.step()
-
-        Blocks do not nest: leaving any of them turns synchronization back on.
-        """
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
-    def zero_grad(self, *args, **kwargs):
-        # Clearing a gradient the engine is still reducing in place would race with it.
-        if self._handles:
-            raise AssertionError(hs.ZERO_GRAD_RACE)
-        return super(type(self), self).zero_grad(*args, **kwargs)
-
-
-def _distributed_class(base: type) -> type:
-    # A subclass of the user's optimizer class (same name), so isinstance() checks and
-    # the optimizer's own step() keep working; our methods take precedence.
-    return type(base.__name__, (base,), dict(_DistributedOptimizer.__dict__))
-
-
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[NamedParameters] = None,
                          compression: Any = Compression.none, backward_passes_per_step: int = 1,
@@ -403,7 +260,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          num_groups: int = 0, groups: Optional[Groups] = None,
                          sparse_as_dense: bool = False,
                          process_set: ProcessSet = global_process_set,
-                         overlap_update: Optional[bool] = None) -> torch.optim.Optimizer:
+                         overlap_update: Optional[bool] = None,
+                         shard_optimizer_state: bool = False) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that its ``step()`` applies gradients averaged over all ranks.
 
     Each gradient's allreduce starts in the background as soon as ``loss.backward()`` has
@@ -448,6 +306,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             GradScaler; step hooks; sparse gradients; FusedLAMB's global norm) fall back to
             the synchronous update and log why once.  Defaults to ``AIAK_OVERLAP_UPDATE``
             (``aiakrun --overlap-update``), else off.  See ``overlap_stats()``.
+        shard_optimizer_state: If True, each rank keeps the optimizer state of its shard of
+            the parameters only: gradients are reduce-scattered, the optimizer steps on the
+            shard, and the updated parameters are allgathered (``sharded.py``,
+            docs/sharded-optimizer.md).  Checkpoints need ``consolidate_state_dict()`` on
+            every rank before ``state_dict()``.
 
     Setting ``AIAK_FUSED_OPTIMIZER=1`` swaps a plain ``torch.optim`` Adam, AdamW or SGD for
     the matching ``aiak_training.fused_optim`` class before wrapping it.
@@ -459,15 +322,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         groups = num_groups if groups is None else groups
     if backward_passes_per_step <= 0:
         raise ValueError(hs.BACKWARD_PASSES_POSITIVE)
+    if shard_optimizer_state:
+        return _sharded(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                        gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                        overlap_update)
     if op == Adasum and size() > 1:
         # On one process Horovod runs the plain optimizer, and so does this; on more, the
         # delta optimizer (adasum_optimizer.py).
         if process_set.process_set_id != global_process_set.process_set_id:
             raise NotImplementedError(hs.ADASUM_PROCESS_SETS)
-        from aiak_training.torch.adasum_optimizer import distributed_adasum_optimizer
-        return distributed_adasum_optimizer(optimizer, named_parameters, compression,
-                                            backward_passes_per_step,
-                                            _DistributedOptimizer._checked_names)
+        from aiak_training.torch.adasum_optimizer import AdasumDeltaStrategy
+        return wrap(optimizer, AdasumDeltaStrategy, named_parameters, compression,
+                    backward_passes_per_step)
 
     # Compressors that need their own exchange (e.g. DGC's sparse allgather) build the
     # distributed optimizer themselves.
@@ -491,16 +357,29 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         from aiak_training.fused_optim import maybe_fuse
         optimizer = maybe_fuse(optimizer)
 
-    wrapped = _distributed_class(optimizer.__class__)(
-        optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-        gradient_predivide_factor, groups, sparse_as_dense, process_set, overlap_update)
-    # Keep any state the wrapped optimizer already had (Horovod drops it).
-    for p, s in optimizer.state.items():
-        wrapped.state[p] = s
-    # cls(...) ran the optimizer's __init__ with its default arguments, so ``defaults`` holds
-    # those rather than the user's; Apex-style optimizers read options from it at step time
-    # (FusedLAMB's max_grad_norm), and add_param_group() fills new groups from it.
-    wrapped.defaults.update(optimizer.defaults)
+    wrapped = wrap(optimizer, _DistributedOptimizer, named_parameters, compression,
+                   backward_passes_per_step, op, gradient_predivide_factor, groups,
+                   sparse_as_dense, process_set, overlap_update)
     # Rank 0 says what this optimizer runs with (runtime/startup_line.py).
     _startup_line.announce_optimizer(wrapped, compression, _overlap.requested(overlap_update))
+    return wrapped
+
+
+def _sharded(optimizer: torch.optim.Optimizer, named_parameters: Optional[NamedParameters],
+             compression: Any, backward_passes_per_step: int, op: int,
+             gradient_predivide_factor: float, groups: Optional[Groups], sparse_as_dense: bool,
+             process_set: ProcessSet, overlap_update: Optional[bool]) -> torch.optim.Optimizer:
+    """``shard_optimizer_state=True``: the sharded strategy, after refusing what it does not
+    combine with."""
+    unsupported = [what for what, used in (
+        ("compression", compression is not Compression.none),
+        ("groups", groups is not None), ("sparse_as_dense", sparse_as_dense),
+        ("overlap_update", bool(overlap_update)), ("op=Adasum", op == Adasum)) if used]
+    if unsupported:
+        raise ValueError("shard_optimizer_state=True cannot be combined with "
+                         + ", ".join(unsupported) + ".")
+    from aiak_training.torch.sharded import ShardedStrategy
+    wrapped = wrap(optimizer, ShardedStrategy, named_parameters, backward_passes_per_step, op,
+                   gradient_predivide_factor, process_set)
+    _startup_line.announce_optimizer(wrapped, compression, False)
     return wrapped

@@ -24,6 +24,15 @@ Why the result is bit-for-bit the synchronous one:
   Updates are not started from the backward hooks, because at hook time nobody knows whether
   the user will clip, unscale or inspect the gradients before ``step()``.
 
+With CUDA gradients nothing here waits for the device.  The engine reports a GPU reduction
+done once its collective is enqueued and a completion event recorded; ``_finish_reduction``
+(through ``synchronize``) makes the current stream wait for that event on the device
+(:func:`aiak_training.torch.cuda.consume`), and the bucket's update is then issued on the
+same stream, so the device runs it after its reduction while the host goes on to the next
+completion.  The loop reads no tensor on the host and calls no stream, event or device
+synchronize (tests/parallel/test_overlap.py counts them); only the wrapped optimizer's own
+step does what it would do in the synchronous path.
+
 When the update cannot be split exactly, the step falls back to the synchronous path and says
 why once per optimizer (see :data:`FALLBACK_REASONS`).
 """
@@ -37,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from aiak_training.common.env import env_bool, env_bytes
+from aiak_training.torch.wrapper import restricted_groups
 
 
 log = logging.getLogger("aiak_training")
@@ -95,15 +105,6 @@ def requested(overlap_update: Optional[bool]) -> bool:
     return env_bool(ENV_VAR) if overlap_update is None else bool(overlap_update)
 
 
-def _unwrap(fn: Any) -> Any:
-    """The function under torch's ``profile_hook_step`` (and similar functools.wraps) layers."""
-    seen = 0
-    while hasattr(fn, "__wrapped__") and seen < 8:
-        fn = fn.__wrapped__
-        seen += 1
-    return fn
-
-
 @dataclass
 class OverlapStats:
     """What overlapped stepping did, cumulatively.  Times are seconds (``time.monotonic``).
@@ -154,18 +155,15 @@ class Overlap:
 
     # ---- eligibility ---------------------------------------------------------------------
     @staticmethod
-    def static_reason(opt: torch.optim.Optimizer, reference: type
+    def static_reason(opt: torch.optim.Optimizer
                       ) -> Tuple[Optional[str], Optional[Callable[[Any], Optional[str]]]]:
         """(reason overlap can never apply to ``opt``, per-step check of its class).
 
-        ``reference`` is the distributed optimizer class whose step, hooks and reductions
-        the overlap path was written against: a subclass that replaces one of them (DGC)
-        does not qualify."""
-        cls = type(opt)
-        for name in ("step", "synchronize", "_make_hook", "_submit_pending", "_finish_reduction"):
-            if _unwrap(getattr(cls, name, None)) is not reference.__dict__[name]:
-                return "replaced", None
-        base = cls.__mro__[1]  # the wrapped optimizer's class (DistributedOptimizer's base)
+        Only a reduction strategy that declares ``_aiak_overlap_ok`` (the allreduce one, whose
+        step, hooks and reductions this path was written against) qualifies: DGC does not."""
+        if not getattr(type(opt), "_aiak_overlap_ok", False):
+            return "replaced", None
+        base = type(opt)._aiak_wrapped_class  # the user's optimizer class (see wrapper.wrap)
         if base.__dict__.get("aiak_overlap_update_safe", False):
             return None, None
         fused = _fused_classes()
@@ -285,24 +283,16 @@ class Overlap:
                        params: List[torch.Tensor], updated: Set[torch.Tensor],
                        base_step: Callable[[], Any]) -> None:
         """Run the wrapped optimizer's step with every param group restricted to ``params``."""
-        subsets: List[List[Tuple[int, torch.Tensor]]] = [[] for _ in groups]
+        mine = []
         for p in params:
-            loc = index.get(p)
-            if loc is None:
+            if p not in index:
                 continue  # reduced for the user, but not this optimizer's parameter
             if p in updated:
                 raise RuntimeError("overlap_update: internal error, a parameter would be "
                                    "updated twice in one step")
             updated.add(p)
-            subsets[loc[0]].append((loc[1], p))
-        if not any(subsets):
+            mine.append(p)
+        if not mine:
             return
-        saved = [g["params"] for g in groups]
-        try:
-            for g, sub in zip(groups, subsets):
-                sub.sort(key=lambda x: x[0])
-                g["params"] = [p for _, p in sub]
+        with restricted_groups(groups, mine):
             base_step()
-        finally:
-            for g, s in zip(groups, saved):
-                g["params"] = s

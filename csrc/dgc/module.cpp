@@ -446,6 +446,7 @@ void add_values(Out* out, int64_t numel, const uint8_t* idx_bytes, const uint8_t
   for (int64_t j = 0; j < count; ++j) {
     int32_t i;
     std::memcpy(&i, idx_bytes + 4 * j, 4);
+    if (i == -1) continue;  // an empty slot (a tensor with fewer pairs than slots)
     if (i < 0 || i >= numel) {
       throw std::runtime_error("DGC exchange: index " + std::to_string(i) +
                                " out of range for a tensor of " + std::to_string(numel) +

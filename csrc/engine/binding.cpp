@@ -166,6 +166,8 @@ void register_engine(py::module_& m) {
            py::arg("config"), py::arg("lane"))
       .def("add_set", &Engine::add_set, py::arg("set_id"), py::arg("comm"), py::arg("rank"),
            py::arg("size"), py::arg("flat"), py::call_guard<py::gil_scoped_release>())
+      .def("set_flat", &Engine::set_flat, py::arg("set_id"), py::arg("flat"),
+           py::call_guard<py::gil_scoped_release>())
       .def("remove_set", &Engine::remove_set, py::arg("set_id"), py::arg("why"),
            py::call_guard<py::gil_scoped_release>())
       .def("start", [](Engine& e) {
@@ -257,6 +259,9 @@ void register_engine(py::module_& m) {
       .def_property(
           "fusion_threshold", [](const Engine& e) { return e.fusion_threshold.load(); },
           [](Engine& e, int64_t v) { e.fusion_threshold = v; })
+      .def_property(
+          "cycle_time_s", [](const Engine& e) { return e.cycle_time_s.load(); },
+          [](Engine& e, double v) { e.cycle_time_s = v; })
       .def_property(
           "zero_copy_bytes", [](const Engine& e) { return e.zero_copy_bytes.load(); },
           [](Engine& e, int64_t v) { e.zero_copy_bytes = v; })

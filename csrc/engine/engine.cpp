@@ -47,7 +47,9 @@ constexpr int64_t kMaxCount = INT_MAX / 2;
 
 Engine::Engine(EngineConfig config, Lane lane)
     : config_(std::move(config)), lane_(std::move(lane)),
-      mpi_(bind_mpi(config_.handle_bytes, config_.in_place)) {}
+      mpi_(bind_mpi(config_.handle_bytes, config_.in_place)) {
+  cycle_time_s = config_.cycle_time_s;
+}
 
 Engine::~Engine() {
   request_shutdown();
@@ -68,6 +70,14 @@ void Engine::add_set(int set_id, MpiHandle comm, int rank, int size, bool flat) 
   state->counts = state->controller->counts();
   std::lock_guard<std::mutex> lock(mu_);
   sets_[set_id] = std::move(state);
+}
+
+bool Engine::set_flat(int set_id, bool flat) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sets_.find(set_id);
+  if (it == sets_.end()) return false;
+  it->second->flat = flat;
+  return true;
 }
 
 bool Engine::remove_set(int set_id, const std::string& why) {
@@ -126,7 +136,7 @@ void Engine::run() {
         if (!why.empty()) reason = config_.shut_down + " (" + why + ")";
         break;
       }
-      double remaining = config_.cycle_time_s - (monotonic_now() - started);
+      double remaining = cycle_time_s.load() - (monotonic_now() - started);
       if (remaining > 0 && !shutdown_requested_) {
         lock.lock();
         wake_cv_.wait_for(lock, std::chrono::duration<double>(remaining),

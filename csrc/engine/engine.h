@@ -101,6 +101,9 @@ class Engine {
 
   void add_set(int set_id, MpiHandle comm, int rank, int size, bool flat);
   bool remove_set(int set_id, const std::string& why);
+  // Switches a set between the native flat allreduce and the lane's algorithms (autotune).
+  // Safe only while the set has no allreduce in flight; false if the set is unknown.
+  bool set_flat(int set_id, bool flat);
   void start();
   void request_shutdown();
   void join();
@@ -127,6 +130,8 @@ class Engine {
   int set_rank(int set_id) const;
 
   std::atomic<int64_t> fusion_threshold{64 << 20};
+  // Seconds between cycles; starts at config.cycle_time_s and may be changed while running.
+  std::atomic<double> cycle_time_s{0.001};
   std::atomic<int64_t> zero_copy_bytes{1 << 20};
   std::atomic<bool> timeline_on{false};
 
@@ -134,7 +139,7 @@ class Engine {
   struct SetState {
     int id, rank, size;
     MpiHandle comm;
-    bool flat;
+    std::atomic<bool> flat{true};  // read by the engine thread, changed by set_flat
     std::unique_ptr<Controller> controller;
     std::vector<Request> queue;
     std::unordered_map<std::string, Entry> entries;

@@ -9,6 +9,7 @@ wrong offsets, counts or units in the executor give wrong numbers here.
 These test the engine's control logic (fusion, layouts, reduction plans, staging, the
 hierarchical pipeline's arithmetic, transport agreement); they say nothing about CUDA itself.
 """
+import collections
 import ctypes
 import itertools
 import os
@@ -43,20 +44,29 @@ def _write(addr, values, dtype):
 
 
 class FakeRuntime:
+    """``calls`` counts what would be CUDA runtime calls (by method name), so that tests can
+    check how many a collective costs; ``held`` is each pooled event's uses not yet given
+    back, so that tests can check that every holder returns what it took."""
     path = "fake libcudart (host memory)"
 
     def __init__(self):
         self._ids = itertools.count(1)
         self._blocks = {}
         self.copies = 0
+        self.calls = collections.Counter()
+        self.held = {}
+
+    def _call(self, name):
+        self.calls[name] += 1
 
     def device_count(self):
         return 1
 
     def set_device(self, device):
-        pass
+        self._call("set_device")
 
     def get_device(self):
+        self._call("get_device")
         return 0
 
     def device_uuid(self, device):
@@ -65,43 +75,59 @@ class FakeRuntime:
     pci_bus_id = device_uuid
 
     def stream_create(self):
+        self._call("stream_create")
         return next(self._ids)
 
     def stream_synchronize(self, stream):
-        pass
+        self._call("stream_synchronize")
 
-    def record(self, stream):
+    def event_get(self):
         return next(self._ids)
 
-    event_get = lambda self: next(self._ids)  # noqa: E731
+    def record(self, stream, uses=1):
+        self._call("record")
+        event = next(self._ids)
+        self.held[event] = uses
+        return event
 
     def event_put(self, event):
-        pass
+        # Events from record() must come back exactly ``uses`` times; others (event_get)
+        # once, untracked.
+        if event in self.held:
+            self.held[event] -= 1
+            assert self.held[event] >= 0, f"event {event} given back more often than taken"
+            if not self.held[event]:
+                del self.held[event]
 
     def wait_event(self, stream, event):
-        pass
+        self._call("wait_event")
 
     def event_done(self, event):
+        self._call("event_done")
         return True
 
     def event_synchronize(self, event):
-        pass
+        self._call("event_synchronize")
 
     def memcpy_async(self, dst, src, nbytes, stream):
+        self._call("memcpy_async")
         self.copies += 1
         if nbytes:
             ctypes.memmove(dst, src, nbytes)
 
     def memset_async(self, dst, value, nbytes, stream):
+        self._call("memset_async")
         if nbytes:
             ctypes.memset(dst, value, nbytes)
 
     def malloc(self, nbytes):
+        self._call("malloc")
         block = np.empty(max(1, nbytes), np.uint8)
         self._blocks[block.ctypes.data] = block
         return block.ctypes.data
 
     def free(self, ptr):
+        self._call("free")
         self._blocks.pop(ptr, None)
 
     host_alloc, free_host = malloc, free
@@ -114,6 +140,7 @@ class FakeLibrary:
     def __init__(self):
         self.group_depth = 0
         self.deferred = []
+        self.groups = []  # per outermost group: how many calls it held
 
     def check(self, result, what):
         assert result == 0, what
@@ -128,6 +155,7 @@ class FakeLibrary:
         self.group_depth -= 1
         if self.group_depth == 0:
             ops, self.deferred = self.deferred, []
+            self.groups.append(len(ops))
             _finish([pending for op in ops for pending in (op() or [])])
 
 

@@ -527,3 +527,64 @@ def test_options_without_meaning_for_dgc_warn():
                                      named_parameters=model.named_parameters(),
                                      compression=hvd.Compression.dgc(), **kwargs)
 
+
+
+# ---- the device path (torch ops), as it runs on CUDA gradients ---------------------------------
+@pytest.mark.parametrize("fp16,masking", [(False, True), (True, True), (False, False)])
+def test_device_path_gives_the_compiled_path_bits(fp16, masking, monkeypatch):
+    """The torch-op selection, compensation and slot exchange (what runs on a GPU) train to
+    the same bits as the compiled CPU kernels, and take the sampled path."""
+    from aiak_training.dgc import _kernels
+    if not _kernels.native_available():
+        pytest.skip("compiled kernels not built")
+    runs = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(_kernels, "ext", None)
+        model = make_model(2, WIDE)
+        opt = wide_dgc_optimizer(model, fp16_values=fp16, momentum_masking=masking)
+        train_wide(model, opt, steps=7)
+        runs.append((model, opt.dgc_sent(), opt.dgc_stats(), opt))
+    (m0, sent0, stats0, opt0), (m1, sent1, stats1, opt1) = runs
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(a, b)
+    for (n0, i0, v0), (n1, i1, v1) in zip(sent0, sent1):
+        assert n0 == n1 and torch.equal(i0, i1) and torch.equal(v0, v1)
+    assert stats1["paths"].get(1, 0) >= 1, stats1  # the sampled threshold sufficed
+    assert stats0["selected"] == stats1["selected"]
+    for p0, p1 in zip(m0.parameters(), m1.parameters()):
+        s0, s1 = opt0.dgc_state(p0), opt1.dgc_state(p1)
+        assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert_ranks_identical(m1)
+
+
+def test_device_path_step_reads_the_device_once(monkeypatch):
+    """One host read of device data per step for all compressed tensors (the counts), none
+    per tensor: counted on the CPU with the GPU branch of the compaction."""
+    from aiak_training.dgc import _kernels, device_select
+    monkeypatch.setattr(_kernels, "ext", None)
+    monkeypatch.setattr(device_select, "compact", device_select.compact_scatter)
+    sizes = (WIDE[0], WIDE[1], WIDE[2])
+    model = torch.nn.Sequential(torch.nn.Linear(sizes[0], sizes[1]), torch.nn.Tanh(),
+                                torch.nn.Linear(sizes[1], sizes[1]), torch.nn.Tanh(),
+                                torch.nn.Linear(sizes[1], sizes[2]))
+    opt = wide_dgc_optimizer(model, min_numel=100)
+    assert len(opt._dgc_sparse) == 3
+    train_wide(model, opt, steps=5)  # through the warm-up: the headers are made once each
+    reads = []
+    real = device_select.resolve
+
+    def counted(*args):
+        reads.append(1)
+        return real(*args)
+    monkeypatch.setattr(device_select, "resolve", counted)
+    calls = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"):
+        fn = getattr(torch.Tensor, name)
+
+        def wrap(self, *a, _fn=fn, _name=name, **kw):
+            calls.append(_name)
+            return _fn(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, wrap)
+    opt._dgc_compress_all(opt.dgc_density())
+    assert calls == ["tolist"] and reads == [1]

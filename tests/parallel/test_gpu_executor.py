@@ -4,6 +4,7 @@ against references computed with plain torch.  Launched by tests/test_gpu_path.p
 2 ranks (NCCL path), 2 x 2 virtual nodes (hierarchical NCCL path) and with
 AIAK_GPU_TRANSPORT=mpi (staged path).
 """
+import ctypes
 import itertools
 import os
 
@@ -26,6 +27,7 @@ OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max,
        "product": hvd.Product}
 RUNTIME, LIBRARY = FakeRuntime(), FakeLibrary()
 BATCHED = []
+EVENTS = []
 _names = itertools.count()
 
 
@@ -45,18 +47,21 @@ def fake_gpu():
 
 
 def _batched_copy(dsts, srcs, sizes, stream):
+    """The kernel's effect; a launch of our own library, not a CUDA runtime call."""
     BATCHED.append(len(sizes))
     for d, s, n in zip(dsts, srcs, sizes):
-        RUNTIME.memcpy_async(d, s, n, stream)
+        if n:
+            ctypes.memmove(d, s, n)
 
 
 def context():
     return current.engine().executor._gpu_executor._sets[0]
 
 
-def run(op_type, tensors, outputs=None, name=None, **fields):
+def run(op_type, tensors, outputs=None, name=None, ready_event=0, **fields):
     """Submit host tensors as if they were on cuda:0; return (outputs, results).  Names come
-    from a counter that every rank advances alike, unless ``name`` is given."""
+    from a counter that every rank advances alike, unless ``name`` is given.  The tensors'
+    completion events are left in ``EVENTS``."""
     engine = current.engine()
     outputs = list(outputs) if outputs is not None else [None] * len(tensors)
     allocated = [None] * len(tensors)
@@ -73,10 +78,11 @@ def run(op_type, tensors, outputs=None, name=None, **fields):
         entries.append(TensorEntry(tensor_name, dt, tuple(t.shape), t.data_ptr(),
                                    outputs[i].data_ptr() if outputs[i] is not None else 0,
                                    allocate=allocate, keep=(t, outputs[i]), device=0,
-                                   stream=0, ready_event=0))
+                                   stream=0, ready_event=ready_event))
     handles = engine.enqueue(0, requests, entries)
     done = [engine.wait(h) for h in handles]
     assert all(h.event for h in done), "GPU ops complete with an event"
+    EVENTS[:] = [h.event for h in done]
     outs = [o if o is not None else a for o, a in zip(outputs, allocated)]
     return outs, [h.result for h in done]
 
@@ -214,3 +220,95 @@ def test_hierarchical_pipeline_runs_every_stage():
     assert kinds(comms["cross"]) == ["allreduce"] * 8
     assert comms["global"].calls == [("allreduce", 1)]
     assert [n for k, n in comms["local"].calls if k == "reduce_scatter"] == [128] * 7 + [104]
+
+
+def _grouped_allreduce_cost(n):
+    """CUDA runtime calls made for one grouped allreduce of ``n`` small tensors (one fused
+    response), with one ready event for the call as the torch frontend records it."""
+    tensors = [everyone((5,), torch.float32, seed=20 + i) for i in range(n)]
+    mine = [g[hvd.rank()] for g in tensors]
+    ready = RUNTIME.record(0, uses=n)
+    comm = context().comms.get("global")  # None on the staged path
+    RUNTIME.calls.clear()
+    if comm is not None:
+        comm.calls.clear()
+    outs, _ = run(OpType.ALLREDUCE, mine, [torch.empty_like(m) for m in mine],
+                  reduce_op=hvd.Sum, ready_event=ready)
+    for out, g in zip(outs, tensors):
+        exact(out, reference_reduce(g, "sum"))
+    assert ready not in RUNTIME.held, "the engine gives back every use of the ready event"
+    assert len(set(EVENTS)) == 1 and EVENTS[0], "one completion event for the response"
+    assert RUNTIME.held[EVENTS[0]] == n, "one use of it per tensor"
+    for event in EVENTS:  # what the frontend's consume() does once per tensor
+        RUNTIME.event_put(event)
+    assert EVENTS[0] not in RUNTIME.held
+    # 5 floats (20 bytes) take 32-byte slots; the last one is not padded.
+    assert comm is None or comm.calls == [("allreduce", 8 * (n - 1) + 5)], comm.calls
+    return dict(RUNTIME.calls)
+
+
+def _first_gpu_op():
+    """The GPU executor and its set context appear with the first GPU response."""
+    run(OpType.ALLREDUCE, [torch.ones(2)], [torch.empty(2)], reduce_op=hvd.Sum)
+
+
+def test_cuda_calls_of_a_grouped_allreduce_do_not_grow_with_its_tensors():
+    _first_gpu_op()
+    if context().hier or not kernels.library():
+        pytest.skip("counts the flat NCCL and staged paths with the batched-copy kernel")
+    _grouped_allreduce_cost(64)  # the fusion and staging buffers grow to their size, once
+    few, many = _grouped_allreduce_cost(8), _grouped_allreduce_cost(64)
+    assert few == many, (few, many)
+    # Per response: the device made current, one wait for the call's ready event, one
+    # completion event recorded.
+    expected = {"set_device": 1, "wait_event": 1, "record": 1}
+    if context().transport == "mpi":
+        # Staged: one copy to pinned memory and one back, one wait for the first before
+        # MPI reads the buffer, and an event that keeps the buffer until the second is done
+        # (the next op waits on the previous one's).
+        expected.update(memcpy_async=2, stream_synchronize=1, event_synchronize=1, record=2)
+    assert many == expected, many
+
+
+def test_direct_allreduces_of_a_response_are_one_nccl_group():
+    _first_gpu_op()
+    if context().transport != "nccl" or context().hier:
+        pytest.skip("the flat NCCL path")
+    # Three tensors of at least AIAK_ZERO_COPY_BYTES go input -> output, two small ones
+    # share the fusion buffer; all four reductions are enqueued in one NCCL group.
+    z = context().zero_copy_bytes // 4
+    shapes = [(z,), (z + 476,), (z + 976,), (3,), (4,)]
+    groups = [everyone(s, torch.float32, seed=40 + i) for i, s in enumerate(shapes)]
+    mine = [g[hvd.rank()] for g in groups]
+    comm = context().comms["global"]
+    comm.calls.clear()
+    LIBRARY.groups.clear()
+    outs, _ = run(OpType.ALLREDUCE, mine, [torch.empty_like(m) for m in mine],
+                  reduce_op=hvd.Average)
+    for out, g in zip(outs, groups):
+        exact(out, reference_reduce(g, "average"))
+    assert comm.calls == [("allreduce", z), ("allreduce", z + 476), ("allreduce", z + 976),
+                          ("allreduce", 8)], comm.calls  # 3 + 4 floats in 16-byte slots
+    assert LIBRARY.groups == [4], LIBRARY.groups
+
+
+class _ClaimsCuda(torch.Tensor):
+    """A host tensor that says it is on cuda:0: the frontend's device checks run on it
+    without a GPU (nothing here reaches the engine)."""
+    is_cuda = property(lambda self: True)
+    is_cpu = property(lambda self: False)
+    device = property(lambda self: torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("cuda_first", [True, False])
+def test_grouped_call_with_cuda_and_cpu_tensors_names_both_devices(cuda_first):
+    cuda = torch.Tensor._make_subclass(_ClaimsCuda, torch.ones(3))
+    tensors = [cuda, torch.ones(3)] if cuda_first else [torch.ones(3), cuda]
+    expected = "got cuda:0 and cpu tensors" if cuda_first else "got cpu and cuda:0 tensors"
+    with pytest.raises(ValueError, match=expected):
+        hvd.grouped_allreduce_(tensors)
+    with pytest.raises(ValueError, match=expected):
+        hvd.grouped_allreduce(tensors)
+    # Nothing was submitted: the next collective on every rank still matches.
+    outs, _ = run(OpType.ALLREDUCE, [torch.ones(2)], [torch.empty(2)], reduce_op=hvd.Sum)
+    exact(outs[0], torch.full((2,), float(hvd.size())))

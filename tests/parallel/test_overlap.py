@@ -605,3 +605,61 @@ def test_min_bucket_bytes_gathers_small_completions(monkeypatch, splitter):
     if hvd.size() > 1:
         stats = opt.overlap_stats()
         assert stats["buckets"] == 6 and stats["overlapped_steps"] == 6, stats
+
+
+# ---- no host synchronisation on the overlapped path (what CUDA gradients need) -----------------
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum_nesterov_wd", "fused_sgd", "fused_adam",
+                                  "adam_fused"])
+def test_overlapped_step_waits_on_nothing_but_the_engine(name, monkeypatch, splitter):
+    """Between updates, the overlapped step must not wait for a device: no host read of a
+    tensor, no stream/event/device synchronize.  With CUDA gradients each parameter's update
+    is then issued as soon as the engine reports its reduction done, ordered after it by the
+    stream wait that synchronize() records (aiak_training.torch.cuda.consume), not by the
+    host.  The optimizer's own step is excluded: it does the same in the synchronous path."""
+    from aiak_training.common.gpu import cudart
+    make = OPTIMIZERS[name] if name in OPTIMIZERS else VARIANTS[name][0]
+    calls, inside = [], [0]
+
+    def counter(label, fn):
+        def counted(*args, **kwargs):
+            if not inside[0]:
+                calls.append(label)
+            return fn(*args, **kwargs)
+        return counted
+    for attr in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, attr, counter(attr, getattr(torch.Tensor, attr)))
+    for owner, attr in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"),
+                        (torch.cuda.Stream, "synchronize"),
+                        (cudart.Runtime, "stream_synchronize"),
+                        (cudart.Runtime, "event_synchronize")):
+        if hasattr(owner, attr):
+            monkeypatch.setattr(owner, attr, counter(attr, getattr(owner, attr)))
+    real_update = ov.Overlap._update_subset
+    updates = []
+
+    def update(groups, index, params, updated, base_step):
+        inside[0] += 1
+        try:
+            updates.append(len(params))
+            return real_update(groups, index, params, updated, base_step)
+        finally:
+            inside[0] -= 1
+    monkeypatch.setattr(ov.Overlap, "_update_subset", staticmethod(update))
+    # Count only inside step(): backward and the loss are the user's.
+    real_step = ov.Overlap.step
+    active = []
+
+    def step(self, opt, base_step):
+        active.append(len(calls))
+        real_step(self, opt, base_step)
+        active.append(len(calls))
+    monkeypatch.setattr(ov.Overlap, "step", step)
+    model, opt = train(make, overlap=True, steps=6, splitter=splitter)
+    if hvd.size() > 1:
+        assert opt.overlap_stats()["overlapped_steps"] == 6
+        assert len(updates) > 6  # several partial updates per step
+    in_steps = [calls[a:b] for a, b in zip(active[::2], active[1::2])]
+    assert all(c == [] for c in in_steps), in_steps

@@ -11,7 +11,7 @@ import glob
 import importlib.util
 import os
 import threading
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from aiak_training.common.gpu._loader import LazyLibrary
 
@@ -99,6 +99,7 @@ class Runtime:
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
         self._events: List[int] = []
+        self._uses: Dict[int, int] = {}  # event -> puts still due, for shared events
         self._events_lock = threading.Lock()
 
     def _check(self, err: int, what: str) -> None:
@@ -165,15 +166,25 @@ class Runtime:
         return int(e.value)
 
     def event_put(self, event: int) -> None:
-        """Return an event to the pool.  Safe right after a ``cudaStreamWaitEvent`` on it: a
-        wait binds to the record that precedes it, not to later ones."""
+        """Give back one use of an event; it returns to the pool with its last use.  Safe
+        right after a ``cudaStreamWaitEvent`` on it: a wait binds to the record that
+        precedes it, not to later ones."""
         with self._events_lock:
-            self._events.append(event)
+            left = self._uses.pop(event, 1) - 1
+            if left > 0:
+                self._uses[event] = left
+            else:
+                self._events.append(event)
 
-    def record(self, stream: int) -> int:
-        """A pooled event recorded on ``stream`` now."""
+    def record(self, stream: int, uses: int = 1) -> int:
+        """A pooled event recorded on ``stream`` now, for ``uses`` holders (one record
+        shared by all the tensors of a call or of a fused response); each holder gives it
+        back with :meth:`event_put`."""
         e = self.event_get()
         self._check(self.lib.cudaEventRecord(_VOIDP(e), _VOIDP(stream)), "cudaEventRecord")
+        if uses > 1:
+            with self._events_lock:
+                self._uses[e] = uses
         return e
 
     def wait_event(self, stream: int, event: int) -> None:

@@ -5,7 +5,9 @@ its optimizers (``keras.optimizers.*``, Keras >= 2.11) and the legacy ones
 Where it hooks in, as Horovod's Keras 2 wrapper does: where the optimizer computes
 gradients.  ``model.fit`` and ``optimizer.minimize`` go through ``compute_gradients``
 (Keras 2.11+ optimizers) or ``_compute_gradients`` (legacy ones), and Keras 2's graph-mode
-path through ``get_gradients``; each returns the gradients combined over the ranks.
+path through ``get_gradients``; each returns the gradients combined over the ranks.  Both
+``compute_gradients`` and ``_compute_gradients`` answer on both families, since code written
+for Horovod calls ``_compute_gradients`` whatever the optimizer.
 ``apply_gradients`` applies what it is given, so a custom loop that takes gradients from a
 plain ``tf.GradientTape`` combines them itself (``hvd.DistributedGradientTape``), as with
 Horovod.
@@ -13,7 +15,8 @@ Horovod.
 The result is an instance of a subclass of the optimizer's own class, with its name, made
 from its config; Keras saves it under that class, so a saved model loads without
 aiak_training.  ``backward_passes_per_step`` > 1 sums gradients locally and combines and
-applies them every that many passes (``iterations`` counts every pass), as Horovod does.
+applies them every that many passes (``iterations`` counts every pass), as Horovod does;
+``optimizer._agg_helper.counter`` counts the passes since the last combination.
 """
 from typing import Any, Dict, List, Optional
 
@@ -84,17 +87,42 @@ class _Distributed:
         return aggregation.compute(grads, variables,
                                    lambda values: self._aiak_reduce(values, present))
 
-    # Keras >= 2.11 optimizers (model.fit and minimize come here).
-    def compute_gradients(self, loss, var_list, tape=None):
-        pairs = super().compute_gradients(loss, var_list, tape=tape)
+    def _aiak_local_pairs(self, loss, var_list, grad_loss, tape) -> List[Any]:
+        """This rank's ``(gradient, variable)`` pairs, from the wrapped family's own method:
+        ``_compute_gradients`` for the legacy optimizers, ``compute_gradients`` for the
+        current ones (which has no ``grad_loss`` and does not flatten ``var_list``)."""
+        base = super()
+        if hasattr(base, "_compute_gradients"):
+            return base._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
+        if grad_loss is not None:
+            raise ValueError(
+                "grad_loss is an argument of the legacy optimizers' _compute_gradients; "
+                f"{type(self).__name__} of tf_keras.optimizers has none: scale the loss "
+                "instead, or use tf_keras.optimizers.legacy.")
+        if not callable(var_list):
+            var_list = tf.nest.flatten(var_list)
+        return base.compute_gradients(loss, var_list, tape=tape)
+
+    def _aiak_combined_pairs(self, loss, var_list, grad_loss, tape) -> List[Any]:
+        pairs = self._aiak_local_pairs(loss, var_list, grad_loss, tape)
         grads, variables = [list(x) for x in zip(*pairs)] if pairs else ([], [])
         return list(zip(self._aiak_combine(grads, variables), variables))
 
-    # Legacy (OptimizerV2) optimizers: minimize, and model.fit through minimize.
+    # Both names work with both families: Keras >= 2.11 optimizers call compute_gradients
+    # (model.fit and minimize), the legacy ones _compute_gradients, and code written for
+    # Horovod calls _compute_gradients on either.
+    def compute_gradients(self, loss, var_list, tape=None):
+        return self._aiak_combined_pairs(loss, var_list, None, tape)
+
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
-        pairs = super()._compute_gradients(loss, var_list, grad_loss=grad_loss, tape=tape)
-        grads, variables = [list(x) for x in zip(*pairs)] if pairs else ([], [])
-        return list(zip(self._aiak_combine(grads, variables), variables))
+        return self._aiak_combined_pairs(loss, var_list, grad_loss, tape)
+
+    @property
+    def _agg_helper(self) -> Optional[_LocalAggregation]:
+        """Horovod's name for the local gradient sums of ``backward_passes_per_step`` > 1
+        (None otherwise); its ``counter`` is the number of passes since they were last
+        combined."""
+        return self._aiak.aggregation
 
     # Legacy optimizers in Keras 2's graph mode.
     def get_gradients(self, loss, params):

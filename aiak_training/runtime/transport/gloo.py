@@ -144,15 +144,19 @@ def timeout_seconds(environ: Optional[Mapping[str, str]] = None) -> float:
     return value
 
 
-def start_rendezvous_server(host: str = "0.0.0.0", port: int = 0) -> Tuple[Any, int]:
+def start_rendezvous_server(host: str = "0.0.0.0", port: int = 0,
+                            listen_fd: Optional[int] = None) -> Tuple[Any, int]:
     """Start the rendezvous store (a ``torch.distributed.TCPStore`` server) for launchers and
     drivers.  Returns the store and the port it listens on (``port=0`` picks a free one).
+    ``listen_fd``: a socket the caller already listens on (at ``port``), so that it can start
+    the ranks before paying for torch's import here; connections wait in its backlog.
     The server runs as long as the returned object lives."""
     import torch.distributed as dist
     timeout = datetime.timedelta(seconds=timeout_seconds())
     try:
+        extra = {} if listen_fd is None else {"master_listen_fd": listen_fd}
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                              timeout=timeout)
+                              timeout=timeout, **extra)
     except (RuntimeError, OSError) as exc:
         raise RuntimeError(f"Gloo rendezvous: cannot listen on {host}:{port}: {exc}") from exc
     return store, int(store.port)
@@ -224,6 +228,8 @@ def form_world(info: Optional[WorldInfo] = None) -> "GlooComm":
         raise ValueError(f"The Gloo world source returned {info!r}, not a WorldInfo.")
     info.validate()
     timeout_s = timeout_seconds()
+    from aiak_training.common.exit_guard import note_arrival
+    note_arrival("the Gloo rendezvous")  # for aiakrun's start timeout (runner/start_watch.py)
     # Without a prefix from the launcher, successive worlds of this process use fresh keys;
     # that is right when every rank re-forms together (shutdown(); init() everywhere).
     prefix = info.prefix or f"aiak/{next(_generation)}"

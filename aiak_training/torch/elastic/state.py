@@ -21,6 +21,7 @@ class _Handler(Restorable):
         self.save()
 
     def set_value(self, value: Any) -> None:
+        _handler_for(value)  # refuses what TorchState cannot track, as at construction
         self.value = value
         self.save()
 
@@ -64,10 +65,20 @@ class _SamplerHandler(_Handler):
         self.value.reset()
 
 
+SHARDED_REFUSED = (
+    "hvd.elastic.TorchState does not accept an optimizer built with "
+    "shard_optimizer_state=True: each rank holds the only copy of its shard of the optimizer "
+    "state, so a lost rank could not be recovered. Use a DistributedOptimizer without "
+    "shard_optimizer_state in elastic jobs.")
+
+
 def _handler_for(value: Any):
     if isinstance(value, torch.nn.Module):
         return _ModelHandler
     if isinstance(value, torch.optim.Optimizer):
+        if getattr(value, "_aiak_sharded", False):
+            # A lost rank would take the only copy of its shard of the optimizer state.
+            raise ValueError(SHARDED_REFUSED)
         return _OptimizerHandler
     if isinstance(value, ElasticSampler):
         return _SamplerHandler

@@ -1,0 +1,103 @@
+"""From the measurements to the printed table: build the model's inputs, rank the rows."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from aiak_training.advisor.model import (CONSTANTS, Cluster, Config, Link, Profile,
+                                         predict_table, with_network)
+from aiak_training.advisor.whatif import WhatIf
+
+#: A lossless configuration must beat the plain path by this much to be recommended.
+MIN_GAIN = 1.02
+
+
+def cluster_from_probe(probe: Dict[str, Any]) -> Cluster:
+    """The measured cluster; the slowest node pair stands for the network (a ring runs at
+    its slowest edge)."""
+    intra = probe.get("intra")
+    links = probe.get("links") or []
+    copy_bw = float(probe["copy_bw"])
+    # One rank per node: no in-node pair to measure; memory copies stand in for it.
+    intra_link = Link(intra["bw"], intra["lat"]) if intra else Link(copy_bw, 0.0)
+    if links:
+        net = Link(min(x["bw"] for x in links), max(x["lat"] for x in links))
+    else:
+        net = intra_link
+    return Cluster(nodes=int(probe["nodes"]), ranks_per_node=int(probe["ranks_per_node"]),
+                   net=net, intra=intra_link, copy_bw=copy_bw, gloo=bool(probe.get("gloo")))
+
+
+def apply_what_if(c: Cluster, w: WhatIf, measured_net: bool) -> Cluster:
+    """The hypothetical cluster: its layout and link; latency from ``latency_us``, else the
+    measured network's, else :data:`CONSTANTS.default_latency_s`."""
+    if w.latency_us is not None:
+        lat = w.latency_us * 1e-6
+    else:
+        lat = c.net.lat if measured_net else CONSTANTS.default_latency_s
+    return with_network(c, w.nodes, w.ranks_per_node, Link(w.link_bytes_per_s, lat))
+
+
+def profile_from_ranks(docs: Sequence[Dict[str, Any]]) -> Profile:
+    """The slowest rank's profile: the step waits for it."""
+    doc = max(docs, key=lambda d: d["call_s"] + d["update_s"])
+    return Profile(grads=[(int(b), float(r)) for b, r in doc["grads"]],
+                   call_s=float(doc["call_s"]), update_s=float(doc["update_s"]),
+                   fused_update_s=doc.get("fused_update_s"),
+                   grad_numels=[int(n) for n in doc.get("numels", [])])
+
+
+def recommend(rows: Sequence[Tuple[Config, float, float]]) -> Tuple[Config, float]:
+    """The fastest lossless row, or plain flat when nothing gains ``MIN_GAIN``."""
+    lossless = [r for r in rows if not r[0].dgc]
+    best = min(lossless, key=lambda r: r[1])
+    return (best[0], best[2]) if best[2] >= MIN_GAIN else (lossless[0][0], 1.0)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.3g} GB/s"
+
+
+def format_table(p: Profile, c: Cluster, *, what_if: Optional[WhatIf] = None,
+                 links: Sequence[Dict[str, Any]] = (), optimizer: str = "") -> str:
+    """The advisor's report: inputs, one row per configuration, the recommendation."""
+    rows = predict_table(p, c)
+    best, gain = recommend(rows)
+    out: List[str] = []
+    title = "what-if" if what_if else "measured"
+    out.append(f"aiakrun --advise ({title}): {c.nodes} node(s) x {c.ranks_per_node} rank(s), "
+               f"{'Gloo' if c.gloo else 'MPI'}")
+    out.append(f"  network {_gb(c.net.bw)}, latency {c.net.lat * 1e3:.3g} ms; in-node "
+               f"{_gb(c.intra.bw)}, {c.intra.lat * 1e3:.3g} ms; memory copy {_gb(c.copy_bw)}")
+    for link in links:
+        a, b = link["nodes"]
+        out.append(f"  measured link node {a} <-> node {b}: {_gb(link['bw'])}, "
+                   f"{link['lat'] * 1e3:.3g} ms")
+    fused = ("n/a" if p.fused_update_s is None else f"{p.fused_update_s * 1e3:.3g} ms")
+    out.append(f"  model: {len(p.grads)} gradient tensor(s), {p.total_bytes / 1e6:.3g} MB; "
+               f"compute {p.call_s * 1e3:.3g} ms/step; update {p.update_s * 1e3:.3g} ms "
+               f"({optimizer or 'optimizer'}), fused {fused}")
+    out.append("")
+    out.append(f"  {'configuration':<32}{'step (ms)':>11}{'speedup':>9}  aiakrun flags")
+    for cfg, t, speedup in rows:
+        name = cfg.name + (" [changes numerics]" if cfg.dgc else "")
+        mark = "*" if cfg == best else " "
+        out.append(f"{mark} {name:<32}{t * 1e3:>11.2f}{speedup:>8.2f}x  {cfg.flags}")
+    out.append("")
+    if gain > 1.0:
+        out.append(f"recommendation: {best.name} ({gain:.2f}x over plain flat): "
+                   f"aiakrun {best.flags} ...")
+    else:
+        out.append("recommendation: plain flat; no lossless option is predicted to gain "
+                   f"{(MIN_GAIN - 1) * 100:.0f}% or more")
+    dgc = [r for r in rows if r[0].dgc][0]
+    if dgc[1] < min(r[1] for r in rows if not r[0].dgc):
+        out.append(f"DGC is predicted faster ({dgc[2]:.2f}x) but changes the numerics; it is "
+                   "never switched on for you: opt in with "
+                   "compression=hvd.Compression.dgc() after checking accuracy (docs/dgc.md)")
+    else:
+        out.append("DGC (changes the numerics) is not predicted to beat the lossless options")
+    if not c.hierarchical:
+        why = ("the Gloo transport has no hierarchical allreduce" if c.gloo and c.nodes > 1
+               and c.ranks_per_node > 1 else "one node or one rank per node")
+        out.append(f"(hier_staged and hier_pipelined are left out: {why})")
+    return "\n".join(out)

@@ -1,0 +1,128 @@
+"""What autotune changes, and how a setting is read from and applied to a running engine.
+
+Knobs: the fusion threshold, the cycle time and the global set's allreduce algorithm.  The
+response cache is reported (its on/off state is a column of the log) but never switched:
+the controller's cache bit vectors are exchanged in every negotiation, so turning it on or
+off would need every rank's engine thread to change in the same negotiation, which a switch
+made at a step boundary by the training thread cannot promise.
+"""
+import dataclasses
+import os
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from aiak_training.allreduce import ALGORITHMS, close_algorithm, create_algorithm, \
+    resolve_algorithm
+from aiak_training.common.config import Config
+from aiak_training.common.topology import Topology
+from aiak_training.runtime.autotune.options import AutotuneOptions
+
+MB = 1024 * 1024
+# Candidate values.  Fusion reaches the 128 MB default (Horovod's search stops at 64 MB);
+# the cycle times cover Horovod's range where it matters (1 to 25 ms: slower cycles only
+# add latency to every step).
+FUSION_MB = (1, 4, 16, 32, 64, 128)
+CYCLE_MS = (1.0, 2.5, 5.0, 10.0, 25.0)
+
+# The variable (or flag, which sets it) that fixes each knob: a knob fixed by the user is
+# left out of the search.
+FIXING_VARS = {
+    "fusion_threshold": ("HOROVOD_FUSION_THRESHOLD",),
+    "cycle_time_ms": ("HOROVOD_CYCLE_TIME",),
+    "algorithm": ("AIAK_ALLREDUCE_ALGO", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    fusion_threshold: int      # bytes
+    cycle_time_ms: float
+    algorithm: str             # one of allreduce.ALGORITHMS
+    cache_enabled: bool
+
+    def describe(self) -> str:
+        """The setting as one readable phrase (rank 0's final line)."""
+        return (f"fusion threshold {self.fusion_threshold / MB:g} MB, cycle time "
+                f"{self.cycle_time_ms:g} ms, allreduce {self.algorithm}, response cache "
+                f"{'on' if self.cache_enabled else 'off'}")
+
+
+def fixed_knobs(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """Knobs the job fixed through their variable (aiakrun's flags set the same ones)."""
+    env = os.environ if environ is None else environ
+    return [knob for knob, names in FIXING_VARS.items()
+            if any(env.get(name, "").strip() for name in names)]
+
+
+def algorithm_name(algorithm: object) -> str:
+    """The name of an allreduce algorithm object (flat is a plain function)."""
+    return getattr(algorithm, "name", "flat")
+
+
+def hierarchy_possible(config: Config, topology: Topology) -> bool:
+    """Whether this job's layout allows a hierarchical allreduce (several nodes, some with
+    more than one rank, over MPI): the rules of :func:`resolve_algorithm`."""
+    probe = dataclasses.replace(config, allreduce_algo="hier_staged",
+                                hierarchical_allreduce=None)
+    return resolve_algorithm(probe, topology, is_global=True)[0] != "flat"
+
+
+def tunable_algorithms(config: Config, topology: Topology, current: object,
+                       environ: Optional[Mapping[str, str]] = None) -> Dict[str, object]:
+    """Every algorithm the global set may switch to, by name, ``current`` included; empty
+    when autotune is off, the algorithm is fixed, or the layout has no second level.
+
+    Runs where the engine registers the global set, on every rank in the same order: the
+    hierarchical algorithms are collective to build (hier_pipelined maps a shared window).
+    """
+    if not AutotuneOptions.from_env(environ).enabled or \
+            "algorithm" in fixed_knobs(environ) or not hierarchy_possible(config, topology):
+        return {}
+    out = {algorithm_name(current): current}
+    for name in ALGORITHMS:
+        if name in out:
+            continue
+        algorithm = create_algorithm(name, topology)
+        if algorithm_name(algorithm) != name:
+            # hier_pipelined fell back to hier_staged (no shared memory): not a candidate.
+            close_algorithm(algorithm)
+            continue
+        if getattr(algorithm, "close", None) is not None:
+            topology.add_finalizer(algorithm.close)
+        out[name] = algorithm
+    return out
+
+
+def current_setting(engine) -> Setting:
+    """The setting in force on ``engine``."""
+    cfg = engine.config
+    return Setting(int(cfg.fusion_threshold), float(cfg.cycle_time_ms),
+                   algorithm_name(engine._sets[0].algorithm), cfg.cache_capacity > 0)
+
+
+def apply_setting(engine, setting: Setting) -> None:
+    """Put ``setting`` in force on this rank.  Every rank calls it at the same step boundary
+    with none of the global set's allreduces in flight (see tuner.py)."""
+    cfg = engine.config
+    if cfg.fusion_threshold != setting.fusion_threshold:
+        cfg.fusion_threshold = setting.fusion_threshold   # the native engine hears of it
+    if cfg.cycle_time_ms != setting.cycle_time_ms:
+        cfg.cycle_time_ms = setting.cycle_time_ms
+    if engine.algorithms and algorithm_name(engine._sets[0].algorithm) != setting.algorithm:
+        engine.set_allreduce_algorithm(setting.algorithm)
+
+
+def search_axes(start: Setting, fixed: Sequence[str],
+                algorithms: Sequence[str]) -> List[Tuple[str, Tuple]]:
+    """(knob, candidate values) for each knob to tune, the starting value first so that the
+    job's own setting is always measured."""
+    axes: List[Tuple[str, Tuple]] = []
+    if "fusion_threshold" not in fixed:
+        values = (start.fusion_threshold,) + tuple(mb * MB for mb in FUSION_MB)
+        axes.append(("fusion_threshold", tuple(dict.fromkeys(values))))
+    if "cycle_time_ms" not in fixed:
+        values = (start.cycle_time_ms,) + CYCLE_MS
+        axes.append(("cycle_time_ms", tuple(dict.fromkeys(values))))
+    if len(algorithms) > 1:
+        ordered = [start.algorithm] + [a for a in ALGORITHMS if a in algorithms]
+        axes.append(("algorithm", tuple(dict.fromkeys(ordered))))
+    return [axis for axis in axes if len(axis[1]) > 1]

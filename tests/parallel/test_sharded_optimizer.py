@@ -1,0 +1,358 @@
+"""DistributedOptimizer(shard_optimizer_state=True) against the dense DistributedOptimizer and
+against a reference computed here from every rank's data (issue 32).
+
+Run by tests/test_sharded_optimizer.py on 2 and 4 ranks, a 2x2 layout, and over Gloo, with a
+small AIAK_SHARD_BUCKET_BYTES so that there are several buckets and shards cut through
+parameters.  At 2 ranks the sharded and dense runs are compared bit for bit: a two-term sum is
+the same whichever collective computes it; with more ranks the reduce-scatter and the
+allreduce may add in different orders, so the check is 1e-6 relative.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+import aiak_training.torch as hvd
+from aiak_training.fused_optim import FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
+from aiak_training.torch import sharded
+
+STEPS = 12
+
+
+class Net(torch.nn.Module):
+    """Two param groups' worth of layers, a frozen layer, and a block no rank uses on odd
+    steps (its gradient is missing, and reduced as zeros)."""
+
+    def __init__(self, double_head: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(6, 9)
+        self.b = torch.nn.Linear(9, 7)
+        self.unused = torch.nn.Linear(7, 7)
+        self.frozen = torch.nn.Linear(7, 7)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(7, 3)
+        if double_head:
+            self.head = self.head.double()
+
+    def forward(self, x, step):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        if step % 2 == 0:
+            h = h + self.unused(h)
+        h = self.frozen(h)
+        return self.head(h.to(self.head.weight.dtype))
+
+
+def batch(step, r):
+    g = torch.Generator().manual_seed(1000 * step + r)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+
+def loss_of(model, step, r):
+    x, y = batch(step, r)
+    return (model(x, step) - y.to(model.head.weight.dtype)).pow(2).mean()
+
+
+def param_groups(model, lr):
+    return [{"params": list(model.a.parameters()) + list(model.frozen.parameters())},
+            {"params": [p for n, p in model.named_parameters()
+                        if not n.startswith(("a.", "frozen."))], "lr": lr * 0.5}]
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda m: torch.optim.SGD(param_groups(m, 0.05), lr=0.05, momentum=0.9,
+                                              weight_decay=1e-3),
+    "adam": lambda m: torch.optim.Adam(param_groups(m, 0.01), lr=0.01),
+    "adamw": lambda m: torch.optim.AdamW(param_groups(m, 0.01), lr=0.01, weight_decay=0.1),
+    "fused_sgd": lambda m: FusedSGD(param_groups(m, 0.05), lr=0.05, momentum=0.9,
+                                    nesterov=True),
+    "fused_adam": lambda m: FusedAdam(param_groups(m, 0.01), lr=0.01),
+    "fused_adamw": lambda m: FusedAdamW(param_groups(m, 0.01), lr=0.01, weight_decay=0.1),
+}
+
+
+def train(model, opt, steps=STEPS, passes=1, start=0):
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        for k in range(passes):
+            loss_of(model, step * passes + k, hvd.rank()).backward()
+        opt.step()
+
+
+def flat(model):
+    return torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+
+
+def reference(kind, op, passes, steps=STEPS, double_head=False):
+    """The plain optimizer on gradients reduced here from every rank's data."""
+    model = Net(double_head)
+    opt = OPTIMIZERS[kind](model)
+    n = hvd.size()
+    for step in range(steps):
+        grads = None
+        for r in range(n):
+            model.zero_grad()
+            for k in range(passes):
+                loss_of(model, step * passes + k, r).backward()
+            # A missing gradient is reduced as zeros; on one rank (the plain optimizer) it
+            # stays missing and the parameter is not stepped.
+            g = [p.grad.clone() if p.grad is not None else None if n == 1
+                 else torch.zeros_like(p) for p in model.parameters()]
+            grads = g if grads is None else [x + y for x, y in zip(grads, g)]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = None if not p.requires_grad or g is None else \
+                (g / n if op == hvd.Average else g)
+        opt.step()
+    return model, opt
+
+
+def assert_same(a, b, exact):
+    if exact:
+        assert torch.equal(a, b), (a - b).abs().max()
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def exact_layout():
+    return hvd.size() == 2
+
+
+def make(kind, shard, op=hvd.Average, passes=1, double_head=False, **kw):
+    model = Net(double_head)
+    opt = hvd.DistributedOptimizer(OPTIMIZERS[kind](model),
+                                   named_parameters=model.named_parameters(), op=op,
+                                   backward_passes_per_step=passes,
+                                   shard_optimizer_state=shard, **kw)
+    return model, opt
+
+
+# ---- exactness ------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_parameters_equal_dense_run(kind):
+    dense, dopt = make(kind, False)
+    train(dense, dopt)
+    model, opt = make(kind, True)
+    train(model, opt)
+    assert_same(flat(model), flat(dense), exact_layout())
+    ref, _ = reference(kind, hvd.Average, 1)
+    torch.testing.assert_close(flat(model), flat(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op,passes", [(hvd.Sum, 1), (hvd.Average, 2), (hvd.Sum, 3)])
+def test_sum_and_backward_passes(op, passes):
+    dense, dopt = make("adam", False, op=op, passes=passes)
+    train(dense, dopt, steps=6, passes=passes)
+    model, opt = make("adam", True, op=op, passes=passes)
+    train(model, opt, steps=6, passes=passes)
+    assert_same(flat(model), flat(dense), exact_layout())
+    ref, _ = reference("adam", op, passes, steps=6)
+    torch.testing.assert_close(flat(model), flat(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_predivide_factor():
+    dense, dopt = make("sgd_momentum", False, gradient_predivide_factor=2.0)
+    train(dense, dopt, steps=5)
+    model, opt = make("sgd_momentum", True, gradient_predivide_factor=2.0)
+    train(model, opt, steps=5)
+    torch.testing.assert_close(flat(model), flat(dense), rtol=1e-6, atol=1e-7)
+
+
+def test_mixed_dtypes_get_their_own_buckets():
+    dense, dopt = make("adam", False, double_head=True)
+    train(dense, dopt, steps=5)
+    model, opt = make("adam", True, double_head=True)
+    train(model, opt, steps=5)
+    assert {b.weights.dtype for b in opt._buckets} == {torch.float32, torch.float64}
+    assert all(len({p.dtype for p in b.params}) == 1 for b in opt._buckets)
+    assert_same(flat(model), flat(dense), exact_layout())
+
+
+def test_gradient_clipping_by_global_norm():
+    max_norm = 0.05
+    dense, dopt = make("adam", False)
+    model, opt = make("adam", True)
+    for step in range(5):
+        for m, o in ((dense, dopt), (model, opt)):
+            o.zero_grad()
+            loss_of(m, step, hvd.rank()).backward()
+            o.synchronize()
+        total_dense = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
+        total = opt.clip_grad_norm_(max_norm)
+        torch.testing.assert_close(total, total_dense, rtol=1e-5, atol=1e-7)
+        for o in (dopt, opt):
+            with o.skip_synchronize():
+                o.step()
+    torch.testing.assert_close(flat(model), flat(dense), rtol=1e-5, atol=1e-6)
+
+
+# ---- memory: the state exists for the shard only ---------------------------------------------
+def test_state_is_one_shard():
+    model, opt = make("adam", True)
+    train(model, opt, steps=2)
+    mine = sum(s["exp_avg"].numel() for s in opt.state.values())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    everyone = hvd.allgather(torch.tensor([mine])).tolist()
+    assert sum(everyone) == trainable  # every element's moments exist exactly once
+    # Buckets are padded to a multiple of N: no rank holds more than its share plus N - 1
+    # elements per bucket.
+    share = math.ceil(trainable / hvd.size()) + len(opt._buckets) * (hvd.size() - 1)
+    assert mine <= share
+    assert all(p not in opt.state for p in model.parameters())
+    # The model's full gradients are freed once reduced.
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ---- checkpoints -----------------------------------------------------------------------------
+def test_state_dict_needs_consolidation_and_never_communicates():
+    model, opt = make("adam", True)
+    train(model, opt, steps=2)
+    if hvd.rank() == 0:  # rank 0 alone: must raise, not wait for the others
+        with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+            opt.state_dict()
+    full = opt.consolidate_state_dict()
+    assert opt.state_dict() is full
+    train(model, opt, steps=1, start=2)
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        opt.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["sgd_momentum", "adam", "fused_adamw"])
+def test_consolidated_state_equals_dense_state(kind):
+    dense, dopt = make(kind, False)
+    train(dense, dopt, steps=4)
+    model, opt = make(kind, True)
+    train(model, opt, steps=4)
+    got, want = opt.consolidate_state_dict(), dopt.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, entry in want["state"].items():
+        assert sorted(got["state"][i]) == sorted(entry)
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                assert_same(got["state"][i][key].double(), value.double(), exact_layout())
+            else:
+                assert got["state"][i][key] == value
+
+
+def test_full_state_dict_loads_into_sharded_and_plain_optimizers():
+    # A checkpoint written by a plain optimizer (world size 1), resumed sharded over N ranks.
+    ref, ref_opt = reference("adam", hvd.Average, 1, steps=4)
+    model, opt = make("adam", True)
+    model.load_state_dict(ref.state_dict())
+    opt.load_state_dict(ref_opt.state_dict())
+    train(model, opt, steps=3, start=4)
+    dense, dopt = make("adam", False)
+    dense.load_state_dict(ref.state_dict())
+    dopt.load_state_dict(ref_opt.state_dict())
+    train(dense, dopt, steps=3, start=4)
+    assert_same(flat(model), flat(dense), exact_layout())
+    # ...and the sharded optimizer's consolidated state loads into a plain one.
+    full = opt.consolidate_state_dict()
+    plain = torch.optim.Adam(param_groups(Net(), 0.01), lr=0.01)
+    plain.load_state_dict(full)
+    got = plain.state_dict()["state"]
+    for i, entry in dopt.state_dict()["state"].items():
+        assert_same(got[i]["exp_avg_sq"], entry["exp_avg_sq"], exact_layout())
+
+
+def test_state_dict_of_another_model_gives_the_plain_error():
+    _, opt = make("adam", True)
+    other = torch.optim.Adam(torch.nn.Linear(3, 3).parameters(), lr=0.1)
+    plain = torch.optim.Adam(param_groups(Net(), 0.01), lr=0.01)
+    with pytest.raises(ValueError) as want:
+        plain.load_state_dict(other.state_dict())
+    with pytest.raises(ValueError) as got:
+        opt.load_state_dict(other.state_dict())
+    assert str(got.value) == str(want.value)
+
+
+def test_optimizer_state_carried_over_when_wrapping():
+    ref, ref_opt = reference("sgd_momentum", hvd.Average, 1, steps=3)
+    model = Net()
+    model.load_state_dict(ref.state_dict())
+    inner = OPTIMIZERS["sgd_momentum"](model)
+    inner.load_state_dict(ref_opt.state_dict())
+    opt = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                   shard_optimizer_state=True)
+    dense = Net()
+    dense.load_state_dict(ref.state_dict())
+    dinner = OPTIMIZERS["sgd_momentum"](dense)
+    dinner.load_state_dict(ref_opt.state_dict())
+    dopt = hvd.DistributedOptimizer(dinner, named_parameters=dense.named_parameters())
+    train(model, opt, steps=2, start=3)
+    train(dense, dopt, steps=2, start=3)
+    assert_same(flat(model), flat(dense), exact_layout())
+
+
+def test_broadcast_optimizer_state_broadcasts_options():
+    model, opt = make("adam", True)
+    train(model, opt, steps=1)
+    before = {id(k): v["exp_avg"].clone() for k, v in opt.state.items()}
+    for g in opt.param_groups:
+        g["lr"] = 0.125 if hvd.rank() == 0 else 7.0
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert [g["lr"] for g in opt.param_groups] == [0.125, 0.125]
+    assert all(torch.equal(v["exp_avg"], before[id(k)]) for k, v in opt.state.items())
+
+
+# ---- bad input -------------------------------------------------------------------------------
+def test_unknown_optimizer_refused_at_construction():
+    model = Net()
+    for inner in (torch.optim.LBFGS(model.parameters()),
+                  FusedLAMB(model.parameters(), lr=0.01)):
+        with pytest.raises(ValueError, match=f"{type(inner).__name__} is not an optimizer known"):
+            hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(),
+                                     shard_optimizer_state=True)
+
+    class MyAdam(torch.optim.Adam):
+        pass
+    with pytest.raises(ValueError, match="MyAdam"):
+        hvd.DistributedOptimizer(MyAdam(model.parameters()),
+                                 named_parameters=model.named_parameters(),
+                                 shard_optimizer_state=True)
+
+
+@pytest.mark.parametrize("kwargs,word", [
+    ({"compression": hvd.Compression.fp16}, "compression"),
+    ({"op": hvd.Adasum}, "Adasum"),
+    ({"groups": 2}, "groups"),
+    ({"sparse_as_dense": True}, "sparse_as_dense"),
+    ({"overlap_update": True}, "overlap_update")])
+def test_unsupported_combinations_refused(kwargs, word):
+    model = Net()
+    with pytest.raises(ValueError, match=word):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters(),
+                                 shard_optimizer_state=True, **kwargs)
+
+
+def test_sparse_gradient_names_the_parameter():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                   named_parameters=[("table", emb.weight)],
+                                   shard_optimizer_state=True)
+    with pytest.raises(ValueError, match="table.*sparse"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    opt._handles.clear()
+
+
+def test_elastic_torch_state_refuses_sharded_optimizer():
+    model, opt = make("adam", True)
+    with pytest.raises(ValueError, match="shard_optimizer_state"):
+        hvd.elastic.TorchState(model=model, optimizer=opt)
+
+
+def test_frozen_parameters_stay_out_of_the_shards():
+    model, opt = make("sgd_momentum", True)
+    frozen = {id(p) for p in model.frozen.parameters()}
+    assert all(id(p) not in frozen for b in opt._buckets for p in b.params)
+    before = [p.clone() for p in model.frozen.parameters()]
+    train(model, opt, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.frozen.parameters()))
+
+
+def test_bucket_size_from_environment():
+    assert int(os.environ[sharded.BUCKET_ENV_VAR]) < 1024
+    _, opt = make("adam", True)
+    assert len(opt._buckets) > 3

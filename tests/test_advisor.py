@@ -1,0 +1,237 @@
+"""aiakrun --advise: the model's formulas against hand-computed values, --what-if parsing, and
+real advisor runs (2 ranks, 2x2 virtual hosts, what-if, scripts it must stop)."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from aiak_training.advisor.model import (CONSTANTS, Cluster, Config, Link, Profile,
+                                         configurations, dgc_exchange, flat_allreduce,
+                                         hier_pipelined, hier_staged, pack_buckets,
+                                         predict_step, predict_table, ring_allgather,
+                                         ring_allreduce)
+from aiak_training.advisor.report import recommend
+from aiak_training.advisor.whatif import WhatIf, WhatIfError, parse_what_if
+from aiak_training.runner.advise import job_flags
+from launch import REPO, env_with
+
+NET = Link(bw=1e8, lat=1e-4)
+INTRA = Link(bw=1e9, lat=1e-5)
+C2X2 = Cluster(nodes=2, ranks_per_node=2, net=NET, intra=INTRA, copy_bw=4e9)
+C1X2 = Cluster(nodes=1, ranks_per_node=2, net=Link(1e8, 0.0), intra=Link(1e8, 0.0),
+               copy_bw=4e9)
+
+
+def test_ring_allreduce_formula():
+    # 2(n-1)/n * b/bw + 2(n-1) * lat = 1.5 * 0.01 + 6e-4
+    assert ring_allreduce(1e6, 4, NET) == pytest.approx(0.0156, rel=1e-12)
+    assert ring_allreduce(1e6, 1, NET) == 0.0
+    assert ring_allgather(804, 2, NET) == pytest.approx(804 / 1e8 + 1e-4, rel=1e-12)
+
+
+def test_flat_and_staged_on_two_by_two():
+    # flat: 4 ranks over the network: 1.5 * 8e6 / 1e8 + 6 * 1e-4
+    assert flat_allreduce(8e6, C2X2) == pytest.approx(0.1206, rel=1e-12)
+    # staged: in-node 1.0 * 8e6/1e9 + 2e-5, then across 2 nodes 1.0 * 8e6/1e8 + 2e-4
+    assert hier_staged(8e6, C2X2) == pytest.approx(0.00802 + 0.0802, rel=1e-12)
+
+
+def test_pipelined_overlaps_chunks():
+    b = 8 * 1024 * 1024  # two 4 MiB chunks
+    shm = CONSTANTS.shm_passes * b / 4e9
+    inter = b / 1e8 + 2e-4
+    ti, te = shm / 2, inter / 2
+    assert hier_pipelined(b, C2X2) == pytest.approx(ti + te + te, rel=1e-12)
+    assert hier_pipelined(b, C2X2) == pytest.approx(0.087231808, rel=1e-9)
+
+
+def test_no_hierarchy_falls_back_to_flat():
+    gloo = Cluster(2, 2, NET, INTRA, 4e9, gloo=True)
+    one_per_node = Cluster(4, 1, NET, INTRA, 4e9)
+    for c in (gloo, one_per_node):
+        assert hier_staged(8e6, c) == flat_allreduce(8e6, c)
+        assert hier_pipelined(8e6, c) == flat_allreduce(8e6, c)
+        assert [cfg.algo for cfg in configurations(c, True) if not cfg.dgc] == ["flat"] * 4
+    assert len(configurations(C2X2, True)) == 13
+    assert len(configurations(C2X2, False)) == 7
+
+
+def test_fusion_buffering():
+    grads = [(100, 0.0005), (200, 0.0009), (300, 0.0021)]
+    assert pack_buckets(grads, 1e-3, 1000) == pytest.approx([(0.001, 300), (0.003, 300)])
+    assert pack_buckets(grads, 1e-3, 250) == pytest.approx(
+        [(0.001, 100), (0.001, 200), (0.003, 300)])
+
+
+def test_step_plain_overlap_fused():
+    # Two 1 MB buffers packed at 11 and 21 ms; each takes 1e6/1e8 = 10 ms on 2 ranks, so
+    # they land at 21 and 31 ms.
+    p = Profile(grads=[(10 ** 6, 0.0105), (10 ** 6, 0.0205)], call_s=0.021, update_s=0.004,
+                fused_update_s=0.001)
+    assert predict_step(Config("flat"), p, C1X2) == pytest.approx(0.031 + 0.004)
+    # overlap: half the update after each buffer: 21+2 -> 23, then 31+2 -> 33 ms
+    assert predict_step(Config("flat", overlap=True), p, C1X2) == pytest.approx(0.033)
+    assert predict_step(Config("flat", fused=True), p, C1X2) == pytest.approx(0.032)
+    assert predict_step(Config("flat", overlap=True, fused=True), p, C1X2) == \
+        pytest.approx(0.0315)
+
+
+def test_dgc_wire_and_selection():
+    c = Cluster(1, 2, Link(1e8, 1e-4), Link(1e8, 1e-4), 4e9)
+    # 100000 elements -> ceil(0.001 * 1e5) = 100 pairs of 8 bytes + a 4-byte count = 804 B,
+    # gathered from 2 ranks; the 1000-element tensor (< 1024) is allreduced dense (4000 B).
+    wire = (804 / 1e8 + 1e-4) + (4000 / 1e8 + 2e-4)
+    assert dgc_exchange([1000, 100000], c) == pytest.approx(wire, rel=1e-12)
+    p = Profile(grads=[(4000, 0.001), (400000, 0.002)], call_s=0.003, update_s=0.002,
+                grad_numels=[1000, 100000])
+    select = CONSTANTS.dgc_select_s_per_element * 100000
+    assert predict_step(Config(dgc=True), p, c) == pytest.approx(0.003 + select + wire + 0.002)
+
+
+def test_dgc_is_never_recommended():
+    p = Profile(grads=[(4 * 10 ** 7, 0.001)], call_s=0.002, update_s=0.001,
+                grad_numels=[10 ** 7])
+    rows = predict_table(p, C2X2)
+    fastest = min(rows, key=lambda r: r[1])[0]
+    assert fastest.dgc  # 40 MB over 0.1 GB/s: sparse wins by far
+    best, gain = recommend(rows)
+    assert not best.dgc and best.algo == "hier_pipelined" and gain > 1.0
+    assert rows[0][0] == Config("flat") and rows[0][2] == 1.0
+
+
+def test_what_if_parsing():
+    assert parse_what_if("nodes=2,ranks_per_node=8,link_gbit=30") == WhatIf(2, 8, 30.0)
+    w = parse_what_if(" nodes=4, ranks_per_node=1 ,link_gbit=2.5,latency_us=0 ")
+    assert (w.nodes, w.ranks_per_node, w.link_bytes_per_s, w.latency_us) == (4, 1, 3.125e8, 0.0)
+    bad = {
+        "nodes=2,ranks_per_node=8": "field 'link_gbit' is missing",
+        "nodes=x,ranks_per_node=8,link_gbit=30": "field 'nodes'",
+        "nodes=2,ranks_per_node=0,link_gbit=30": "field 'ranks_per_node'",
+        "nodes=2,ranks_per_node=8,link_gbit=-1": "field 'link_gbit'",
+        "nodes=2,ranks_per_node=8,link_gbit=inf": "field 'link_gbit'",
+        "nodes=2,ranks_per_node=8,link_gbit=30,latency_us=-3": "field 'latency_us'",
+        "nodes=2,ranks_per_node=8,link_gbit=30,gpus=8": "unknown field 'gpus'",
+        "nodes=2,nodes=3,ranks_per_node=8,link_gbit=30": "field 'nodes' is given twice",
+        "nodes,ranks_per_node=8,link_gbit=30": "field 'nodes': expected nodes=VALUE",
+    }
+    for text, message in bad.items():
+        with pytest.raises(WhatIfError, match=message.replace("(", r"\(")):
+            parse_what_if(text)
+
+
+def test_job_flags_drop_only_the_advisor_flags():
+    argv = ["--advise", "--what-if", "nodes=2,ranks_per_node=2,link_gbit=1", "-np", "4",
+            "--what-if=x", "--", "python", "t.py", "--advise"]
+    assert job_flags(argv, ["python", "t.py", "--advise"]) == ["-np", "4"]
+
+
+def _aiakrun(args, timeout, **env):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "aiak_training.runner.launch", *args],
+                          env=env_with(env), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+SCRIPT = os.path.join(REPO, "tests", "scripts", "advise_mlp.py")
+BAD = os.path.join(REPO, "tests", "scripts", "advise_bad.py")
+
+
+_ROW = re.compile(r"^([* ]) (\S+)(?: \[changes numerics\])?\s+([\d.]+)\s+([\d.]+)x  ")
+
+
+def _rows(stdout):
+    """{name: (predicted ms, speedup, starred)} from the printed table."""
+    rows = {}
+    for line in stdout.splitlines():
+        m = _ROW.match(line)
+        if m:
+            rows[m.group(2)] = (float(m.group(3)), float(m.group(4)), m.group(1) == "*")
+    return rows
+
+
+def _check_table(stdout, names):
+    rows = _rows(stdout)
+    assert set(rows) == set(names), stdout
+    assert rows["flat"][1] == 1.0
+    for t, speedup, _ in rows.values():
+        assert t > 0 and speedup > 0
+    starred = [n for n, r in rows.items() if r[2]]
+    assert len(starred) == 1 and starred[0] != "dgc", stdout
+    # the starred row is the fastest lossless one (or plain flat when nothing gains 2%)
+    lossless = {n: r for n, r in rows.items() if n != "dgc"}
+    fastest = min(lossless, key=lambda n: lossless[n][0])
+    assert starred[0] in (fastest, "flat"), stdout
+    assert f"recommendation: {starred[0]}" in stdout or starred[0] == "flat"
+    assert "dgc [changes numerics]" in stdout
+
+
+FLAT_ROWS = ["flat", "flat+overlap", "flat+fused", "flat+overlap+fused", "dgc"]
+ALL_ROWS = FLAT_ROWS + [f"{a}{x}" for a in ("hier_staged", "hier_pipelined")
+                        for x in ("", "+overlap", "+fused", "+overlap+fused")]
+
+
+@pytest.mark.parametrize("transport", ["MPI", "Gloo"])
+def test_advise_two_ranks(transport):
+    gloo = ["--gloo"] if transport == "Gloo" else []
+    proc, took = _aiakrun(["--advise", *gloo, "-np", "2", sys.executable, SCRIPT], 300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"1 node(s) x 2 rank(s), {transport}" in proc.stdout
+    assert "6 gradient tensor(s)" not in proc.stdout and "4 gradient tensor(s)" in proc.stdout
+    assert "(Adam), fused" in proc.stdout
+    _check_table(proc.stdout, FLAT_ROWS)
+    # Two phases of at most AIAK_ADVISE_BUDGET_S (120 s) each; about 15 s on an idle machine.
+    assert took < 240, took
+
+
+def test_advise_virtual_two_by_two():
+    proc, took = _aiakrun(["--advise", "--virtual-hosts", "-H", "a:2,b:2", "-np", "4",
+                           sys.executable, SCRIPT], 360)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 node(s) x 2 rank(s), MPI" in proc.stdout
+    assert "measured link node 0 <-> node 1" in proc.stdout
+    _check_table(proc.stdout, ALL_ROWS)
+    assert took < 240, took
+
+
+def test_what_if_predicts_another_cluster():
+    proc, _ = _aiakrun(["--advise", "--what-if", "nodes=2,ranks_per_node=8,link_gbit=30",
+                        "-np", "1", sys.executable, SCRIPT], 180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(what-if): 2 node(s) x 8 rank(s)" in proc.stdout
+    assert "network 3.75 GB/s, latency 0.05 ms" in proc.stdout  # 30 Gbit/s, default latency
+    _check_table(proc.stdout, ALL_ROWS)
+
+
+def test_what_if_errors_name_the_field():
+    for value, field in (("nodes=2,ranks_per_node=8", "link_gbit"),
+                         ("nodes=two,ranks_per_node=8,link_gbit=30", "nodes"),
+                         ("nodes=2,ranks_per_node=8,link_gbit=30,gpu=1", "gpu")):
+        proc, took = _aiakrun(["--advise", "--what-if", value, "-np", "2", "python", "t.py"], 60)
+        assert proc.returncode == 2 and f"field '{field}'" in proc.stderr, proc.stderr
+        assert took < 30
+    proc, _ = _aiakrun(["--what-if", "nodes=2,ranks_per_node=8,link_gbit=30", "-np", "2",
+                        "python", "t.py"], 60)
+    assert proc.returncode == 2 and "--what-if needs --advise" in proc.stderr
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("noopt", "the script never called the optimizer"),
+    ("short", "the script ended after 2 optimizer step(s); the advisor needs 7"),
+    ("slow", "the script ran past the advisor's budget of 25 s"),
+])
+def test_advise_stops_with_a_reason(mode, message):
+    proc, took = _aiakrun(["--advise", "-np", "2", sys.executable, BAD, mode], 180,
+                          AIAK_ADVISE_BUDGET_S="25")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert "configuration" not in proc.stdout
+    assert took < 25 * 2 + 30, took
+    if mode == "noopt":
+        assert "trained nothing" in proc.stderr  # the script's own output is shown
+    if mode == "slow":
+        left = subprocess.run(["pgrep", "-f", f"{BAD} slow"], capture_output=True, text=True)
+        assert left.stdout.strip() == "", "ranks left running: " + left.stdout

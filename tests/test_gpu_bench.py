@@ -1,0 +1,59 @@
+"""benchmarks/gpu_bench.py runs where there is no GPU: with --smoke-cpu its three benchmarks
+take CPU tensors and small sizes, so the script itself (timing, checks, the JSON and its
+ratio keys) is exercised by CI and a lent GPU's minutes are not spent finding its typos.
+Its figures mean nothing here; the GPU figures come from benchmarks/gpu_check.sh."""
+import json
+import sys
+
+import pytest
+
+from launch import run_ranks
+
+SMOKE = ["--smoke-cpu", "--reps", "5", "--warmup", "1", "--inner", "1"]
+
+RATIOS = {
+    "grouped": {"gpu_grouped_vs_torch_buckets_1rank"},
+    "step": {"gpu_step_overhead", "gpu_step_overhead_vs_ddp_ms", "gpu_step_overhead_hvd_ms",
+             "gpu_step_overhead_ddp_ms"},
+    "staged": {"gpu_staged_2ranks_vs_floor"},
+}
+
+
+@pytest.mark.parametrize("bench, ranks", [("grouped", 1), ("step", 1), ("staged", 2)])
+def test_gpu_bench_smoke_on_cpu(tmp_path, bench, ranks):
+    out = tmp_path / f"{bench}.json"
+    proc = run_ranks([ranks], [sys.executable, "benchmarks/gpu_bench.py", "--bench", bench,
+                               "--json", str(out)] + SMOKE, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    data = json.loads(out.read_text())
+    assert set(data["ratios"]) == RATIOS[bench]
+    assert all(v == v for v in data["ratios"].values())  # no NaN
+    assert data["machine"]["gpu"].startswith("none (--smoke-cpu")
+    assert data["machine"]["ranks"] == ranks
+    assert all(r["reps"] == 5 and r["min_s"] <= r["median_s"] <= r["max_s"]
+               for r in data["results"])
+    if bench == "staged":  # both results were checked exactly against the expected sums
+        assert all(r["params"]["checked"] for r in data["results"])
+    if bench == "step":  # the hooks that DistributedOptimizer leaves out at one rank
+        hvd_row = next(r for r in data["results"] if r["name"] == "hvd_distributed_optimizer")
+        assert hvd_row["params"]["hooks_registered_by_benchmark"]
+
+
+def test_gpu_bench_needs_a_gpu_without_smoke_cpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_ranks([1], [sys.executable, "benchmarks/gpu_bench.py", "--bench", "grouped"])
+    assert proc.returncode == 1
+    assert "needs a CUDA device" in proc.stdout and "--smoke-cpu" in proc.stdout
+
+
+def test_gpu_check_script_parses_and_rejects_bad_arguments():
+    import subprocess
+    from launch import REPO
+    script = f"{REPO}/benchmarks/gpu_check.sh"
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    bad = subprocess.run(["bash", script, "--budget", "soon"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--budget must be whole seconds" in bad.stderr
+    unknown = subprocess.run(["bash", script, "--fast"], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown argument --fast" in unknown.stderr
