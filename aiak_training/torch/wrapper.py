@@ -115,8 +115,6 @@ class DistributedWrapper(torch.optim.Optimizer):
                 ", ".join(map(str, nameless))))
         return pairs
 
-    find_duplicates = staticmethod(find_duplicates)
-
     def _trainable(self) -> List[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
