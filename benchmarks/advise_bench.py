@@ -157,7 +157,7 @@ def bench_layout(args, layout: str, tmp: str) -> Tuple[List[Dict], Dict[str, flo
               f"advise_best_first_{key}": float(chosen["median_s"] <= 1.03 * fastest["median_s"]),
               f"advise_seconds_{key}": pred["seconds"]}
     extra = {"recommended": pred["recommended"], "measured_fastest": fastest["name"],
-             "net_bw": pred["net"]["bw"], "net_lat": pred["net"]["lat"]}
+             "net_bw": pred["net"]["bw"], "net_lat": pred["net"]["lat"], "op_s": pred.get("op_s")}
     return results, ratios, {"machine": machine, **extra}
 
 

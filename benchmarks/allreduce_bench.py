@@ -151,6 +151,11 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON (rank 0)")
+    p.add_argument("--gloo", action="store_true",
+                   help="Gloo mode (launch with aiakrun --gloo): 200 small allreduce_async, "
+                        "native engine against the Python engine (see run_gloo_latency)")
+    p.add_argument("--gloo-rounds", type=int, default=12,
+                   help="Gloo mode: worlds formed per engine (each times --reps bodies)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed baseline")
@@ -178,6 +183,9 @@ def main():
         return
     if args.device == "cuda":
         run_cuda(args)
+        return
+    if args.gloo:
+        run_gloo_latency(args)
         return
     hvd.init()
     comm = MPI.COMM_WORLD
@@ -375,6 +383,62 @@ def main():
 
 
 # ---- CUDA mode (--device cuda) ---------------------------------------------------------------
+def run_gloo_latency(args) -> None:
+    """Gloo small-tensor latency: 200 fp32 tensors of 1,024 elements submitted with
+    hvd.allreduce_async, then synchronized, over a Gloo world; the native (C++) engine against
+    the Python engine, in the same processes.  The engine is chosen at hvd.init(), so each
+    round forms a fresh Gloo world (over the launcher's rendezvous store, under a new key
+    prefix) with the engine under test (untimed), warms it up (the response cache filled),
+    times ``args.reps`` bodies and shuts down; ``args.gloo_rounds`` rounds alternate python,
+    native, python, ...  Short rounds on purpose: on the shared 2-core VM both engines' bodies
+    jumped from about 4 ms to about 40 ms after 10 to 20 bodies in one world, whichever engine.
+    A sample is one rank's time from the end of an hvd.barrier() to its last synchronize
+    (which returns only once every rank contributed).  Ratio
+    ``gloo_small_async_native_vs_python``: the Python engine's median divided by the native
+    engine's (above 1: native faster)::
+
+        aiakrun --gloo -np 2 python benchmarks/allreduce_bench.py --gloo --json out.json
+    """
+    import dataclasses
+
+    from aiak_training.runtime.transport import set_world_source, world_from_env
+    base = world_from_env()
+    small = [torch.randn(1024) for _ in range(200)]
+    rounds = args.gloo_rounds
+
+    def sample() -> float:
+        hvd.barrier()
+        start = time.perf_counter()
+        hs = [hvd.allreduce_async(t, name=f"small.{i}") for i, t in enumerate(small)]
+        for h in hs:
+            hvd.synchronize(h)
+        return time.perf_counter() - start
+
+    times = {"python": [], "native": []}
+    for round_no in range(rounds + 1):  # round 0 warms both up and is dropped
+        for kind in ("python", "native"):
+            os.environ["AIAK_ENGINE"] = kind
+            info = dataclasses.replace(base, prefix=f"{base.prefix}/bench{round_no}{kind}")
+            set_world_source(lambda info=info: info)
+            hvd.init()
+            assert current.engine().kind == kind, current.engine().kind
+            for _ in range(args.warmup):
+                sample()
+            samples = [sample() for _ in range(args.reps)]
+            if round_no:
+                times[kind] += samples
+            hvd.shutdown()
+    set_world_source(None)
+    params = {"tensors": 200, "elements": 1024, "dtype": "float32", "transport": "gloo"}
+    results = [summarize(f"gloo_small200_{kind}_engine", dict(params, engine=kind), t)
+               for kind, t in times.items()]
+    med = {kind: float(np.median(t)) for kind, t in times.items()}
+    ratios = {"gloo_small_async_native_vs_python": med["python"] / med["native"]}
+    if base.rank == 0:
+        report("allreduce_gloo_small", machine_info(base.size, args.layout), results, ratios,
+               args.json)
+
+
 def run_cuda(args) -> None:
     from aiak_training.common.gpu import kernels, nccl
     from aiak_training.common.gpu.cudart import runtime

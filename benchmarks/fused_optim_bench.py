@@ -11,12 +11,20 @@ Parameter sets
             from the architecture here (no torchvision needed).
   host      161 one-element tensors (ResNet-50's tensor count, no memory traffic): a step's
             time is its host cost.  Only with --cases ...,host; keys end in _host.
+  cuda_stub the host side of a CUDA step, measured without a GPU: the same 161 one-element
+            CPU tensors, with the plans' CUDA branch switched on and the CUDA library replaced
+            by a stub whose entry points return at once (so the library's own argument
+            packing and the launches are not included).  FusedAdam and FusedLAMB, each with
+            its cached plans and with plan caching off (every step gathers per parameter).
+            Only with --cases ...,cuda_stub; host-only figures, never GPU figures.
   large     a 1B-parameter GPT-style layout (20 layers, hidden 2048, 4x MLP, vocab 32000, so
             ~1.07B params) with the hidden size scaled down so that it holds about
             --large-params parameters (default 64M on CPU, 500M on CUDA): a few large
             tensors, the bandwidth-bound case.
 
-Variants (CPU; each has its own params, grads and states; grads are fixed random values)
+Variants (CPU; each has its own params, grads and states; grads are fixed random values.
+The four compared optimizers below each run as two copies, one created in a first pass and
+one in a second pass in reverse order, stepped in turn: see Mirrored)
   fused_adam          aiak FusedAdam (lr 1e-3, defaults)
   torch_adam_fused    torch.optim.Adam(fused=True)
   torch_adam_forloop  torch.optim.Adam(foreach=False)
@@ -71,6 +79,10 @@ case, keys ending in _large from the large case, _host from the host case):
                                 over the same buffer (8 bytes per element): a stricter
                                 ceiling, since a copy's destination costs extra write-allocate
                                 reads that the bytes count does not include.  No target.
+  adam_plan_host_speedup_cuda_stub, lamb_plan_host_speedup_cuda_stub
+                                (--cases cuda_stub) host time of a CUDA-branch step with plan
+                                caching off / with the cached plans, the CUDA library stubbed.
+                                Host only; no target.
   adam_vs_torch_fused_cuda_host   (--device cuda) torch Adam(fused=True) host issue time /
                                 FusedAdam host issue time.  Target >= 1.0.
   adam_vs_torch_fused_cuda_device (--device cuda) the same with device times.  Target >= 1.0.
@@ -80,6 +92,56 @@ case, keys ending in _large from the large case, _host from the host case):
                                 bandwidth, both by device time (and ..._vs_inplace_cuda as on
                                 CPU).
 """
+
+class _StubCudaLib:
+    """Stands in for libaiak_fused_cuda.so in the cuda_stub case: every entry point returns
+    success at once, so the timed step() is the host work before the library."""
+
+    def __getattr__(self, name):
+        return lambda *args: 8 if name.endswith("_workspace_bytes") else 0
+
+
+class _NoPlanCache:
+    """A plan cache that keeps nothing: the per-parameter path on every step."""
+
+    def __init__(self, cache_cls):
+        self._inner = cache_cls()
+
+    def lookup(self, *args):
+        return self._inner.lookup(*args)
+
+    def store(self, plan):
+        pass
+
+    def clear(self):
+        pass
+
+
+def stub_cuda_variants(shapes, common) -> List["Variant"]:
+    """The cuda_stub case (module docstring): patches this process for CUDA tables on CPU
+    tensors; run it last."""
+    import contextlib
+    from aiak_training.fused_optim import _backend as B
+    from aiak_training.fused_optim import _plan as P
+    stub = _StubCudaLib()
+    P.uses_cuda_tables = lambda device: True
+    B.cuda_lib = lambda: stub
+    B.cuda_stream = lambda device: 0
+    torch.cuda.device = lambda device: contextlib.nullcontext()
+    out = []
+    for name, make in (("fused_adam", lambda ps: fo.FusedAdam(ps, lr=1e-3)),
+                       ("fused_lamb", lambda ps: fo.FusedLAMB(ps, lr=1e-3))):
+        for planned in (True, False):
+            def make_opt(ps, make=make, planned=planned):
+                opt = make(ps)
+                if not planned:
+                    opt.__dict__["_aiak_plans"] = _NoPlanCache(P.PlanCache)
+                return opt
+            label = f"{name}_{'planned' if planned else 'unplanned'}"
+            out.append(Variant(label, make_adam_like(make_opt, shapes, "cpu"), 0,
+                               dict(common, bytes=0, impl=f"aiak {label}, CUDA library stubbed")))
+    return out
+
 
 ADAM_BYTES = 28  # fp32: read p, g, m, v; write p, m, v
 SGD_BYTES = 20   # fp32 momentum SGD: read p, g, buf; write p, buf
@@ -202,23 +264,63 @@ def run_case(case: str, shapes, args) -> List[Variant]:
     common = {"case": case, "tensors": len(shapes), "numel": n, "dtype": "float32",
               "threads": torch.get_num_threads(), "device": dev}
     vs: List[Variant] = []
+    if case == "cuda_stub":
+        vs = stub_cuda_variants(shapes, dict(common, device="cpu (CUDA library stubbed)"))
+    else:
+        add_variants(vs, shapes, dev, n, common)
+    return time_variants(vs, dev, args)
+
+
+class Mirrored:
+    """Two copies of one CPU variant, stepped in turn (one per repetition).
+
+    On the Zen 5 VMs a copy's step time depended on where in the run its tensors were created,
+    by up to 10% (11-27: two FusedAdam copies 1.10x apart, interleaved).  The compared
+    optimizers therefore each get one copy created in the first pass and one in a second pass
+    in reverse order (A B ... B A), so that neither side owns the favourable places."""
+
+    def __init__(self, first: Callable[[], None]) -> None:
+        self.fns = [first]
+        self.calls = 0
+
+    def __call__(self) -> None:
+        fn = self.fns[self.calls % len(self.fns)]
+        self.calls += 1
+        fn()
+
+
+def add_variants(vs: List[Variant], shapes, dev: str, n: int, common: Dict) -> None:
+    """The optimizer and bandwidth variants of a resnet50, large or host case."""
+    makers: List[Tuple[Mirrored, Callable[[], Callable[[], None]]]] = []
 
     def add(name, fn, nbytes, **extra):
         vs.append(Variant(name, fn, nbytes, dict(common, bytes=nbytes, **extra)))
 
-    add("fused_adam", make_adam_like(lambda ps: fo.FusedAdam(ps, lr=1e-3), shapes, dev),
-        ADAM_BYTES * n, impl="aiak FusedAdam", isa=fo.cpu_isa(torch.get_num_threads()) if dev == "cpu" else "cuda")
-    add("torch_adam_fused", make_adam_like(lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True), shapes, dev),
-        ADAM_BYTES * n, impl="torch.optim.Adam(fused=True)")
+    def add_mirrored(name, make, nbytes, **extra):
+        if dev != "cpu":  # the CUDA case has no room for second copies of the large set
+            add(name, make(), nbytes, **extra)
+            return
+        fn = Mirrored(make())
+        makers.append((fn, make))
+        add(name, fn, nbytes, copies=2, **extra)
+
+    add_mirrored("fused_adam", lambda: make_adam_like(lambda ps: fo.FusedAdam(ps, lr=1e-3), shapes, dev),
+                 ADAM_BYTES * n, impl="aiak FusedAdam",
+                 isa=fo.cpu_isa(torch.get_num_threads()) if dev == "cpu" else "cuda")
+    add_mirrored("torch_adam_fused",
+                 lambda: make_adam_like(lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True), shapes, dev),
+                 ADAM_BYTES * n, impl="torch.optim.Adam(fused=True)")
     if dev == "cpu":
         add("torch_adam_forloop",
             make_adam_like(lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=False), shapes, dev),
             ADAM_BYTES * n, impl="torch.optim.Adam(foreach=False)")
-        add("fused_sgd", make_adam_like(lambda ps: fo.FusedSGD(ps, lr=1e-3, momentum=0.9), shapes, dev),
-            SGD_BYTES * n, impl="aiak FusedSGD(momentum=0.9)")
-        add("torch_sgd_foreach",
-            make_adam_like(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True), shapes, dev),
-            SGD_BYTES * n, impl="torch.optim.SGD(momentum=0.9, foreach=True)")
+        add_mirrored("fused_sgd",
+                     lambda: make_adam_like(lambda ps: fo.FusedSGD(ps, lr=1e-3, momentum=0.9), shapes, dev),
+                     SGD_BYTES * n, impl="aiak FusedSGD(momentum=0.9)")
+        add_mirrored("torch_sgd_foreach",
+                     lambda: make_adam_like(
+                         lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True), shapes, dev),
+                     SGD_BYTES * n, impl="torch.optim.SGD(momentum=0.9, foreach=True)")
     else:
         add("torch_adam_foreach",
             make_adam_like(lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=True), shapes, dev),
@@ -230,10 +332,15 @@ def run_case(case: str, shapes, args) -> List[Variant]:
     # A stricter ceiling for in-place read-modify-write streams like Adam's: no write-allocate
     # traffic for a separate destination.
     add("inplace_scale", lambda: dst.mul_(1.0), 2 * dst.numel() * 4, impl="torch mul_ in place")
+    for fn, make in reversed(makers):  # the second copies, in reverse order (see Mirrored)
+        fn.fns.append(make())
 
+
+def time_variants(vs: List[Variant], dev: str, args) -> List[Variant]:
+    """Warm-up, then the interleaved repetitions with the order rotated (module docstring)."""
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     for v in vs:  # warm-up: lazy state allocation, first-touch page faults, thread pools
-        for _ in range(args.warmup):
+        for _ in range(args.warmup * (len(v.fn.fns) if isinstance(v.fn, Mirrored) else 1)):
             v.fn()
     sync()
     sleep_cycles, sleep_s = 0, 0.0
@@ -287,8 +394,16 @@ def main() -> int:
         args.large_params = 64e6 if args.device == "cpu" else 5e8
 
     cases = {"resnet50": resnet50_shapes(), "large": large_shapes(int(args.large_params)),
-             "host": [(1,)] * len(resnet50_shapes())}
+             "host": [(1,)] * len(resnet50_shapes()),
+             "cuda_stub": [(1,)] * len(resnet50_shapes())}
     selected = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in selected if c not in cases]
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; choose from {sorted(cases)}")
+    if "cuda_stub" in selected:  # it patches the process: run it last
+        if args.device != "cpu":
+            ap.error("--cases cuda_stub runs on CPU tensors only (no --device cuda)")
+        selected = [c for c in selected if c != "cuda_stub"] + ["cuda_stub"]
     machine = machine_info(args.device)
     results, by_key = [], {}
     for case in selected:
@@ -310,6 +425,11 @@ def main() -> int:
     ratios = {}
     for case in selected:
         tail = "" if case == "resnet50" else f"_{case}"
+        if case == "cuda_stub":
+            for opt in ("adam", "lamb"):
+                ratios[f"{opt}_plan_host_speedup_cuda_stub"] = (
+                    by_key[(case, f"fused_{opt}_unplanned")][0] / by_key[(case, f"fused_{opt}_planned")][0])
+            continue
 
         def med(name):
             return by_key[(case, name)][0]

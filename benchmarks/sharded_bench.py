@@ -8,7 +8,19 @@ and by a sharded one, in the same launch:
   resnet50  the ResNet-50 parameter set (161 tensors, 25.6M elements), loss = sum(w * c) for
             a fixed random c, so backward is cheap and the step dominates.
 
-Run with mpiexec -n N (N = 2, 4).  Each timed sample is the slowest rank's iteration
+A third set, ``collectives``, times the engine's collectives on 16 MiB of float32 (the
+default bucket size): allreduce of it, reducescatter of it, and allgather of 16 MiB / N from
+each rank, plus, under MPI, mpi4py's Allgather and Allgatherv of the same pieces (MPICH runs
+the v-variant with a slower algorithm; the engine now calls Allgather for equal pieces).
+
+Run with mpiexec -n N (N = 2, 4), or aiakrun --gloo -np N; on the emulated 2 nodes x 2 ranks
+cluster at 1 Gbit/s (root), as the sharded_vs_dense_step target asks::
+
+    python -m aiak_training.testing.cluster --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
+        sh -c 'mpiexec -n 4 python benchmarks/sharded_bench.py --sets mlp --layout 2x2 \\
+               --json benchmarks/results/sharded_2x2_1gbit.json'
+
+Each timed sample is the slowest rank's iteration
 (zero_grad, forward, backward, step; barrier before and after), dense and sharded alternating
 after warm-up.
 
@@ -19,15 +31,23 @@ Ratios:
                                        rank).  Target <= 1/N + 0.05.
   sharded_vs_dense_step_<set>          median dense iteration time / median sharded iteration
                                        time (above 1: sharded faster).
+  allgather_vs_allreduce_16MB,         median allreduce time / median allgather (reducescatter)
+  reducescatter_vs_allreduce_16MB      time of the same bytes (a ring moves half the bytes
+                                       of an allreduce in each, so ~2 is the ideal).
+  mpi_allgather_vs_allgatherv_16MB     median Allgatherv / median Allgather time (mpi4py).
 """
 import argparse
 import os
 import sys
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import interleave, machine_info, report, resnet50_shapes, summarize, timed  # noqa: E402
+from bench_common import (interleave, link_gbit, machine_info, report,  # noqa: E402
+                          resnet50_shapes, summarize, timed)
+
+BUCKET_ELEMS = 4 << 20  # 16 MiB of float32: AIAK_SHARD_BUCKET_BYTES' default
 
 
 def parse_args(argv=None):
@@ -38,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sets", default="mlp,resnet50")
     p.add_argument("--optimizer", choices=("adam", "fused_adam"), default="adam")
+    p.add_argument("--layout", help="nodes x ranks to record, e.g. 2x2 (default 1xN)")
+    p.add_argument("--link-gbit", type=float, help="link rate to record (default: the "
+                   "emulated cluster's, when it says)")
     return p.parse_args(argv)
 
 
@@ -68,6 +91,42 @@ def state_bytes(opt):
                if isinstance(v, torch.Tensor))
 
 
+def collectives(hvd, reps, warmup):
+    """(results, ratios) of the ``collectives`` set (module docstring)."""
+    n = hvd.size()
+    full, piece = torch.ones(BUCKET_ELEMS), torch.ones(BUCKET_ELEMS // n)
+    variants = {
+        "allreduce_16MB": lambda: hvd.allreduce(full, name="c.ar"),
+        "reducescatter_16MB": lambda: hvd.reducescatter(full, name="c.rs"),
+        "allgather_16MB": lambda: hvd.allgather(piece, name="c.ag"),
+    }
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() == n:  # an MPI job (under aiakrun --gloo each rank is alone)
+        out = np.empty(BUCKET_ELEMS, dtype=np.float32)
+        mine = piece.numpy()
+        counts = [BUCKET_ELEMS // n] * n
+        displs = [r * counts[0] for r in range(n)]
+        variants["mpi_Allgather_16MB"] = lambda: comm.Allgather(mine, out)
+        variants["mpi_Allgatherv_16MB"] = \
+            lambda: comm.Allgatherv(mine, [out, (counts, displs), MPI.FLOAT])
+    times = interleave({k: (lambda fn=fn: timed(fn, hvd.barrier)) for k, fn in variants.items()},
+                       reps, warmup)
+    results = []
+    for name, samples in times.items():
+        worst = [float(t) for t in hvd.allreduce(torch.tensor(samples, dtype=torch.float64),
+                                                 op=hvd.Max, name=f"times.{name}")]
+        results.append(summarize(name, {"set": "collectives", "elements": BUCKET_ELEMS}, worst))
+    med = {r["name"]: r["median_s"] for r in results}
+    ratios = {"allgather_vs_allreduce_16MB": med["allreduce_16MB"] / med["allgather_16MB"],
+              "reducescatter_vs_allreduce_16MB":
+                  med["allreduce_16MB"] / med["reducescatter_16MB"]}
+    if "mpi_Allgather_16MB" in med:
+        ratios["mpi_allgather_vs_allgatherv_16MB"] = \
+            med["mpi_Allgatherv_16MB"] / med["mpi_Allgather_16MB"]
+    return results, ratios
+
+
 def main(argv=None):
     args = parse_args(argv)
     import aiak_training.torch as hvd
@@ -77,6 +136,11 @@ def main(argv=None):
     make_inner = {"adam": torch.optim.Adam, "fused_adam": FusedAdam}[args.optimizer]
     results, ratios = [], {}
     for which in args.sets.split(","):
+        if which == "collectives":
+            more, more_ratios = collectives(hvd, args.reps, args.warmup)
+            results += more
+            ratios.update(more_ratios)
+            continue
         variants, opts = {}, {}
         for label, shard in (("dense", False), ("sharded", True)):
             net, fwd_bwd = build(which)
@@ -105,7 +169,8 @@ def main(argv=None):
         results[-1]["params"].update(state_bytes=shard)
         results[-2]["params"].update(state_bytes=dense)
     if hvd.rank() == 0:
-        machine = machine_info(ranks=n)
+        machine = machine_info(ranks=n, layout=args.layout,
+                               link_gbit=link_gbit(args.link_gbit))
         report("sharded_bench", machine, results, ratios, args.json)
         print(f"# target: sharded_state_bytes_fraction <= 1/N + 0.05 = {1 / n + 0.05:.3f}")
 

@@ -77,6 +77,7 @@ def test_fixed_knobs_come_from_their_variables():
     assert fixed_knobs({"HOROVOD_CYCLE_TIME": "3", "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}) == \
         ["cycle_time_ms", "algorithm"]
     assert fixed_knobs({"AIAK_ALLREDUCE_ALGO": "flat"}) == ["algorithm"]
+    assert fixed_knobs({"HOROVOD_CACHE_CAPACITY": "0"}) == ["cache_enabled"]
 
 
 def test_axes_start_from_the_jobs_setting_and_reach_the_default():
@@ -85,10 +86,17 @@ def test_axes_start_from_the_jobs_setting_and_reach_the_default():
     assert set(axes["fusion_threshold"]) == {mb * MB for mb in (1, 4, 16, 32, 64, 128)}
     assert axes["cycle_time_ms"] == (1.0, 2.5, 5.0, 10.0, 25.0)
     assert axes["algorithm"] == ("hier_pipelined", "flat", "hier_staged")
+    assert axes["cache_enabled"] == (True, False)
+    # HOROVOD_CACHE_CAPACITY fixes it; a job that starts with the cache off (capacity 0)
+    # cannot turn it on.
+    assert "cache_enabled" not in dict(search_axes(START, ["cache_enabled"], ALL_ALGOS))
+    off = Setting(128 * MB, 1.0, "flat", False)
+    assert "cache_enabled" not in dict(search_axes(off, [], ["flat"]))
     odd = Setting(3 * MB, 7.0, "flat", True)
-    axes = dict(search_axes(odd, ["cycle_time_ms"], ["flat"]))
+    axes = dict(search_axes(odd, ["cycle_time_ms", "cache_enabled"], ["flat"]))
     assert list(axes) == ["fusion_threshold"] and axes["fusion_threshold"][0] == 3 * MB
-    assert search_axes(START, ["fusion_threshold", "cycle_time_ms"], ["flat"]) == []
+    assert search_axes(START, ["fusion_threshold", "cycle_time_ms", "cache_enabled"],
+                       ["flat"]) == []
 
 
 def _run_search(score, start=START, fixed=(), algos=ALL_ALGOS, max_samples=20):
@@ -113,16 +121,29 @@ def test_search_finds_the_best_of_a_separable_score_in_its_planned_samples():
     search, tried = _run_search(_separable)
     assert search.best == Setting(16 * MB, 5.0, "hier_staged", True)
     assert tried[0] == START                     # the job's own setting is measured first
-    # 6 fusion + 4 more cycle times + 2 more algorithms, then the job's setting and the 3
-    # best others once more.
-    assert len(tried) == search.samples == search.planned == 16
-    assert tried[12] == START and set(tried[13:]) == {
+    # 6 fusion + 4 more cycle times + cache off + 2 more algorithms, then the job's setting
+    # and the 3 best others once more (the cache does not change this score: its two
+    # settings tie, and the first measured leads).
+    assert len(tried) == search.samples == search.planned == 17
+    assert tried[10] == Setting(16 * MB, 5.0, "hier_pipelined", False)
+    assert tried[13] == START and tried[14:] == [
         Setting(16 * MB, 5.0, "hier_staged", True), Setting(16 * MB, 5.0, "hier_pipelined", True),
-        Setting(16 * MB, 2.5, "hier_pipelined", True)}
-    assert len(set(tried)) == 12
+        Setting(16 * MB, 5.0, "hier_pipelined", False)]
+    assert len(set(tried)) == 13
     # Default settings: 3 warm-up samples and these, 10 steps each, within 300 steps.
     defaults = AutotuneOptions()
     assert (defaults.warmup_samples + search.planned) * defaults.steps_per_sample + 1 <= 300
+
+
+def test_search_switches_the_cache_off_when_that_is_faster():
+    def score(s):
+        return _separable(s) + (0.0 if s.cache_enabled else 0.5)
+
+    search, tried = _run_search(score)
+    assert search.best == Setting(16 * MB, 5.0, "hier_staged", False)
+    # the algorithm axis starts from the best so far, the cache already off
+    assert tried[11:13] == [Setting(16 * MB, 5.0, "flat", False),
+                            Setting(16 * MB, 5.0, "hier_staged", False)]
 
 
 def test_one_lucky_sample_does_not_pick_the_setting():
@@ -217,8 +238,12 @@ def _check_run(proc, tmp_path, nranks, steps):
     assert len(re.findall(r"rank \d: \d+ steps exact", proc.stdout)) == nranks, proc.stdout
     runs = _records(tmp_path, nranks)
     assert all(len(r) == steps for r in runs)
+    # The settings must match; the cache's entry count is the engine thread's state when the
+    # step returned (a rank may complete a step before its cache has recorded it).
+    def settings(run):
+        return [{k: v for k, v in r.items() if k != "cache_entries"} for r in run]
     for rank, run in enumerate(runs[1:], start=1):
-        assert run == runs[0], f"rank {rank} differs from rank 0"
+        assert settings(run) == settings(runs[0]), f"rank {rank} differs from rank 0"
     first = runs[0]
     ended = next(i for i, r in enumerate(first) if not r["tuning"])
     assert all(not r["tuning"] for r in first[ended:])
@@ -241,38 +266,58 @@ def _distinct(records, key):
     return list(dict.fromkeys(r[key] for r in records))
 
 
+def _check_cache_switch(records, rows, ended):
+    """Every sample of the log with the cache off is two steps (a sample) of records with it
+    off, at the same steps on every rank (the records are equal across ranks), and the
+    engine's cache was really empty then and in use otherwise."""
+    off_rows = sum(r[3] == "0" for r in rows[:-1])
+    off = [i for i, r in enumerate(records[:ended]) if not r["cache_enabled"]]
+    assert off_rows >= 1 and len(off) == 2 * off_rows, (off, rows)
+    assert all(off[k + 1] == off[k] + 1 for k in range(0, len(off), 2)), off
+    for i, r in enumerate(records):
+        if not r["cache_enabled"]:
+            assert r["cache_entries"] == 0, (i, r)
+        elif i > 0 and records[i - 1]["cache_enabled"]:  # on for a whole step already
+            assert r["cache_entries"] > 0, (i, r)
+
+
 @pytest.mark.parametrize("engine", ["native", "python"])
 def test_two_ranks_tune_and_switch_at_the_same_step(tmp_path, engine):
     steps = 60
     proc = run_ranks([2], JOB + [str(tmp_path), str(steps)],
                      env=_env(tmp_path, AIAK_ENGINE=engine), timeout=300)
     first, rows, ended = _check_run(proc, tmp_path, 2, steps)
-    # One node: fusion (6 values) then cycle time (4 more), 4 confirmations, the best last.
-    assert len(rows) == 6 + 4 + 4 + 1
+    # One node: fusion (6 values), cycle time (4 more), the cache off (1), 4 confirmations,
+    # the best last.
+    assert len(rows) == 6 + 4 + 1 + 4 + 1
     assert {float(r[5]) for r in rows[:6]} == {1, 4, 16, 32, 64, 128}
     assert {float(r[4]) for r in rows[6:10]} == {2.5, 5, 10, 25}
+    assert [r[3] for r in rows[:11]] == ["1"] * 10 + ["0"]
     assert all(r[7] == "flat" and r[0] == "0" for r in rows)
     # Switched at steps: the records show each setting the log tried.
     assert len(_distinct(first, "fusion_threshold")) >= 6
     assert len(_distinct(first, "cycle_time_ms")) >= 4
-    # Marker step, 1 warm-up and 14 samples of 2 steps.
-    assert ended == 1 + 2 * (1 + 14)
+    _check_cache_switch(first, rows, ended)
+    # Marker step, 1 warm-up and 15 samples of 2 steps.
+    assert ended == 1 + 2 * (1 + 15)
     assert f"tuning took {ended} steps" in proc.stdout
 
 
 def test_fixed_knob_is_left_alone(tmp_path):
     steps = 30
-    proc = run_ranks([2], JOB + [str(tmp_path), str(steps)],
-                     env=_env(tmp_path, HOROVOD_FUSION_THRESHOLD=str(2 * MB)), timeout=300)
+    env = _env(tmp_path, HOROVOD_FUSION_THRESHOLD=str(2 * MB), HOROVOD_CACHE_CAPACITY="1024")
+    proc = run_ranks([2], JOB + [str(tmp_path), str(steps)], env=env, timeout=300)
     first, rows, _ = _check_run(proc, tmp_path, 2, steps)
     assert {r["fusion_threshold"] for r in first} == {2 * MB}
     assert {r[5] for r in rows} == {"2"}
     assert {float(r[4]) for r in rows} == {1, 2.5, 5, 10, 25}   # only the cycle time moves
+    assert {r[3] for r in rows} == {"1"} and all(r["cache_enabled"] for r in first)
 
 
 def test_algorithm_is_tuned_on_two_virtual_nodes(tmp_path):
     steps = 30
-    env = _env(tmp_path, HOROVOD_FUSION_THRESHOLD=str(MB), HOROVOD_CYCLE_TIME="1")
+    env = _env(tmp_path, HOROVOD_FUSION_THRESHOLD=str(MB), HOROVOD_CYCLE_TIME="1",
+               HOROVOD_CACHE_CAPACITY="1024")
     proc = run_ranks([2, 2], JOB + [str(tmp_path), str(steps)], env=env,
                      virtual_hosts=True, timeout=300)
     first, rows, ended = _check_run(proc, tmp_path, 4, steps)
@@ -288,8 +333,8 @@ def test_default_settings_finish_within_300_steps(tmp_path):
     env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(tmp_path / "log.csv")}
     proc = run_ranks([2], JOB + [str(tmp_path), str(steps)], env=env, timeout=400)
     _, rows, ended = _check_run(proc, tmp_path, 2, steps)
-    assert ended == 1 + 10 * (3 + 14) <= 300
-    assert len(rows) == 15
+    assert ended == 1 + 10 * (3 + 15) <= 300
+    assert len(rows) == 16
 
 
 def test_short_job_says_how_far_tuning_got(tmp_path):
@@ -307,7 +352,7 @@ def test_short_job_says_how_far_tuning_got(tmp_path):
     proc = run_ranks([2], JOB + [str(tmp_path), "12"], env=_env(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:]
     said = re.findall(r"autotune: the job ended after 12 steps, before tuning finished: "
-                      r"(\d+) of about 14 samples measured; best so far: ", proc.stdout)
+                      r"(\d+) of about 15 samples measured; best so far: ", proc.stdout)
     assert said == ["4"], proc.stdout
     assert len(_log_rows(tmp_path)) == 4 + 1
 
@@ -330,4 +375,4 @@ def test_gloo_job_tunes_on_the_python_engine(tmp_path):
     proc = run_ranks([1], cmd + JOB + [str(tmp_path), str(steps)], env=_env(tmp_path),
                      timeout=300)
     _, rows, _ = _check_run(proc, tmp_path, 2, steps)
-    assert all(r[7] == "flat" for r in rows) and len(rows) == 15
+    assert all(r[7] == "flat" for r in rows) and len(rows) == 16

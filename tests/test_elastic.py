@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from aiak_training.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from aiak_training.common.ranks import RankIdentity
 from aiak_training.elastic import ObjectState, run_fn
 from aiak_training.elastic import run as run_module
 from aiak_training.elastic.state import HostUpdateResult
 from aiak_training.runner.args import parse_args
 from aiak_training.runner.elastic.discovery import (DiscoveryError, HostDiscoveryScript,
                                                     parse_hosts_output)
-from aiak_training.runner.elastic.hosts import (Blacklist, HostOrder, Identity, assign_ranks,
-                                                plan_slots)
+from aiak_training.runner.elastic.hosts import Blacklist, HostOrder, assign_ranks, plan_slots
 from aiak_training.runner.elastic.launch import elastic_requested, settings_from_args
 
 from elastic_support import (SCRIPT, ElasticJob, check_exact, discovery_script, exact_result,
@@ -247,9 +247,9 @@ def test_plan_slots_and_rank_assignment():
     slots = plan_slots(order, {"a": 2, "b": 1, "c": 2}, blocked={"b"}, max_np=3)
     assert slots == [("a", 0), ("a", 1), ("c", 0)]
     ids = assign_ranks([("a", 0), ("a", 1), ("c", 0), ("c", 1), ("d", 0)])
-    assert ids[("a", 1)] == Identity(1, 5, 1, 2, 0, 2)
-    assert ids[("c", 0)] == Identity(2, 5, 0, 2, 1, 3)
-    assert ids[("d", 0)] == Identity(4, 5, 0, 1, 2, 3)
+    assert ids[("a", 1)] == RankIdentity(1, 5, 1, 2, 0, 2, "a")
+    assert ids[("c", 0)] == RankIdentity(2, 5, 0, 2, 1, 3, "c")
+    assert ids[("d", 0)] == RankIdentity(4, 5, 0, 1, 2, 3, "d")
 
 
 def test_elastic_flags_and_settings():

@@ -75,6 +75,10 @@ MAKERS = {
     "sgd-momentum": lambda ps: fo.FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
     "sgd-nesterov": lambda ps: fo.FusedSGD(ps, lr=0.1, momentum=0.9, nesterov=True),
     "sgd-plain": lambda ps: fo.FusedSGD(ps, lr=0.1),
+    # Clipping active (the gradients' norm is far above 0.5), decoupled and L2 weight decay.
+    "lamb": lambda ps: fo.FusedLAMB(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.5),
+    "lamb-l2-nvlamb": lambda ps: fo.FusedLAMB(ps, lr=1e-2, weight_decay=0.1, adam_w_mode=False,
+                                              use_nvlamb=True, max_grad_norm=None),
 }
 
 
@@ -112,7 +116,7 @@ def _python_calls_in_step(opt):
     return calls
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd-momentum"])
+@pytest.mark.parametrize("name", ["adam", "sgd-momentum", "lamb"])
 def test_steady_step_runs_no_python_per_parameter(name):
     """The number of Python calls in a cached step does not depend on the parameter count,
     also when every gradient is a new tensor (zero_grad(set_to_none=True))."""
@@ -127,13 +131,14 @@ def test_steady_step_runs_no_python_per_parameter(name):
                 opt.step()
         calls = _python_calls_in_step(opt)
         counts.append(len(calls))
-        assert "_init_group" not in calls and "_unplanned_step" not in calls, calls
+        assert not {"_init_group", "_unplanned_step", "_gather"} & set(calls), calls
     assert counts[0] == counts[1], counts
 
 
 # --------------------------------------------------------------------------- invalidation
-def test_param_data_swap_rebuilds_the_plan():
-    pairs = make_pair(MAKERS["adam"])
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_param_data_swap_rebuilds_the_plan(name):
+    pairs = make_pair(MAKERS[name])
     for s in (1, 2):
         set_grads(pairs, s)
         step_both(pairs)
@@ -166,9 +171,10 @@ def test_load_state_dict_rebuilds_the_plan():
     assert float(opt_a.state[a[0]]["step"]) == 2 * 2 + 1
 
 
+@pytest.mark.parametrize("name", ["adam", "lamb"])
 @pytest.mark.parametrize("event", ["replace_tensor", "drop_param_state", "clear_state"])
-def test_state_edits_rebuild_the_plan(event):
-    pairs = make_pair(MAKERS["adam"])
+def test_state_edits_rebuild_the_plan(event, name):
+    pairs = make_pair(MAKERS[name])
     for s in (1, 2):
         set_grads(pairs, s)
         step_both(pairs)
@@ -218,7 +224,7 @@ def test_amsgrad_switched_on_later_rebuilds_the_plan():
     assert_same(pairs)
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd-momentum"])
+@pytest.mark.parametrize("name", ["adam", "sgd-momentum", "lamb"])
 def test_gradients_appearing_and_disappearing(name):
     pairs = make_pair(MAKERS[name])
     pattern = [(), (), (1,), (1,), (), (0, 4), ()]
@@ -261,12 +267,13 @@ def test_zero_grad_in_place_keeps_the_gradient_table():
     assert_same(pairs)
 
 
-def test_groups_buckets_and_master_weights():
+@pytest.mark.parametrize("cls", [fo.FusedAdam, fo.FusedLAMB])
+def test_groups_buckets_and_master_weights(cls):
     """Two groups (one bf16 with master weights), add_param_group later, and step_params
-    buckets: each gets its own plan and every result matches the uncached optimizer."""
+    buckets: each gets its own plan and every result matches the uncached optimizer (for
+    LAMB also the gradient norm over all groups, or over the bucket stepped)."""
     def make(ps):
-        return fo.FusedAdam([{"params": ps[:2]},
-                             {"params": ps[2:4], "master_weights": True}], lr=1e-2)
+        return cls([{"params": ps[:2]}, {"params": ps[2:4], "master_weights": True}], lr=1e-2)
     g = torch.Generator().manual_seed(5)
     init = ([torch.randn(7, 9, generator=g), torch.randn(40, generator=g)]
             + [torch.randn(33, generator=g).bfloat16(), torch.randn(3, 3, generator=g).bfloat16()]
@@ -293,8 +300,9 @@ def test_groups_buckets_and_master_weights():
     assert len(P.plans_of(opts[0])) >= 3
 
 
-def test_found_inf_and_grad_scale_on_the_planned_path():
-    pairs = make_pair(MAKERS["adam"])
+@pytest.mark.parametrize("name", ["adam", "lamb"])
+def test_found_inf_and_grad_scale_on_the_planned_path(name):
+    pairs = make_pair(MAKERS[name])
     for s in (1, 2):
         set_grads(pairs, s)
         step_both(pairs)
@@ -310,6 +318,87 @@ def test_found_inf_and_grad_scale_on_the_planned_path():
     step_both(pairs)
     assert not torch.equal(before[0], pairs[0][1][0])
     assert_same(pairs)
+
+
+# --------------------------------------------------------------------------------- LAMB
+def test_lamb_plans_match_the_functional_path_bit_for_bit():
+    """Planned FusedLAMB (two groups, fp32 and bf16, clipping active) against the functional
+    API gathered by hand, the path FusedLAMB took before plans: global_grad_norm over the flat
+    gradients, then fused_lamb per group.  The norm summed from the plans' gradient tables
+    must give the same bits as the one summed from the tensors."""
+    g = torch.Generator().manual_seed(11)
+    init = [[torch.randn(s, generator=g) for s in SHAPES],
+            [torch.randn(s, generator=g).bfloat16() for s in [(64,), (3, 300)]]]
+    decays = (0.01, 0.0)
+    ours = [[t.clone().requires_grad_() for t in grp] for grp in init]
+    ref = [[t.clone() for t in grp] for grp in init]
+    opt = fo.FusedLAMB([{"params": ours[0]}, {"params": ours[1], "weight_decay": decays[1]}],
+                       lr=1e-2, weight_decay=decays[0], max_grad_norm=0.5)
+    states = [[[torch.zeros_like(t, dtype=torch.float32) for t in grp] for _ in range(2)]
+              + [[torch.zeros(()) for _ in grp]] for grp in init]
+    for _ in range(5):
+        for grp_o, grp_r in zip(ours, ref):
+            for p, q in zip(grp_o, grp_r):
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+                q.grad = p.grad.clone()
+        opt.step()
+        norm = fo.global_grad_norm([q.grad for grp in ref for q in grp])
+        assert float(norm) > 0.5  # clipping is active
+        for grp, (m, v, steps), wd in zip(ref, states, decays):
+            fo.fused_lamb(grp, [q.grad for q in grp], m, v, steps, lr=1e-2, beta1=0.9,
+                          beta2=0.999, eps=1e-6, weight_decay=wd, max_grad_norm=0.5,
+                          grad_norm=norm)
+        for grp_o, grp_r, (m, v, steps) in zip(ours, ref, states):
+            for i, (p, q) in enumerate(zip(grp_o, grp_r)):
+                assert torch.equal(p, q)
+                st = opt.state[p]
+                assert torch.equal(st["exp_avg"], m[i]) and torch.equal(st["exp_avg_sq"], v[i])
+                assert torch.equal(st["step"], steps[i])
+    assert plan_of(opt, 0) is not None and plan_of(opt, 1) is not None
+
+
+def test_lamb_dtype_change_rebuilds_the_plan():
+    """model.bfloat16()-style: params become bf16 (their fp32 states stay valid); the plan
+    is rebuilt with bf16 kernels and matches the uncached optimizer."""
+    pairs = make_pair(MAKERS["lamb"])
+    for s in (1, 2):
+        set_grads(pairs, s)
+        step_both(pairs)
+    plan = plan_of(pairs[0][0])
+    assert plan.buckets[0].dtype == torch.float32
+    for _, params in pairs:
+        for p in params:
+            p.data = p.data.bfloat16()
+    for s in (3, 4):
+        set_grads(pairs, s)
+        step_both(pairs)
+        assert_same(pairs)
+    new = plan_of(pairs[0][0])
+    assert new is not plan and [b.dtype for b in new.buckets] == [torch.bfloat16]
+
+
+def test_lamb_mixed_planned_and_unplanned_groups():
+    """A group whose gradient the kernels cannot walk (transposed) takes the reference path;
+    the other group keeps its plan, and the global norm covers both."""
+    def make(ps):
+        return fo.FusedLAMB([{"params": ps[:3]}, {"params": ps[3:]}], lr=1e-2,
+                            max_grad_norm=0.5)
+    pairs = make_pair(make)
+    for s in (1, 2):
+        set_grads(pairs, s)
+        step_both(pairs)
+    plan0 = plan_of(pairs[0][0], 0)
+    for s in (3, 4):
+        set_grads(pairs, s)
+        for _, params in pairs:  # param 1 is (5, 19): a transposed (19, 5) gradient
+            params[1].grad = torch.full((19, 5), 0.25 * s).t()
+        step_both(pairs)
+        assert_same(pairs)
+    assert plan_of(pairs[0][0], 0) is None and plan_of(pairs[0][0], 1) is not None
+    set_grads(pairs, 5)
+    step_both(pairs)
+    assert_same(pairs)
+    assert plan_of(pairs[0][0], 0) not in (None, plan0)
 
 
 def test_plans_are_not_pickled_or_copied():
@@ -333,6 +422,7 @@ class FakeCudaLib:
 
     def __init__(self):
         self.calls = []
+        self.norm_calls = []
 
     @staticmethod
     def _list(arr, n):
@@ -365,6 +455,31 @@ class FakeCudaLib:
                       self._scalar(gs), 1)
         return 0
 
+    @staticmethod
+    def aiak_fused_lamb_cuda_workspace_bytes(n, numels):
+        return 8
+
+    def aiak_fused_lamb_cuda(self, n, numels, p, g, m, v, master, steps, dtype, lr, b1, b2, eps,
+                             wd, bias_correction, grad_averaging, adam_w_mode, nvlamb,
+                             max_grad_norm, grad_norm, gs, fi, workspace, stream):
+        self.calls.append(("lamb", p, g, m, v, steps, numels))
+        if self._scalar(fi) != 0.0:
+            return 0
+        # The device kernels read the global norm (float32) and clip on the device.
+        norm = self._scalar(grad_norm)
+        clip = norm / max_grad_norm if grad_norm and max_grad_norm > 0 and norm > max_grad_norm else 1.0
+        L = lambda a: self._list(a, n)  # noqa: E731
+        B.cpu_ext.lamb(L(p), L(g), L(m), L(v), L(master), L(steps), list(numels[:n]), dtype, lr,
+                       b1, b2, eps, wd, bool(bias_correction), bool(grad_averaging),
+                       bool(adam_w_mode), bool(nvlamb), clip, self._scalar(gs), 1)
+        return 0
+
+    def aiak_fused_sum_squares_cuda(self, n, numels, tensors, dtype, out, workspace, stream):
+        self.norm_calls.append((self._list(tensors, n), list(numels[:n])))
+        sums = B.cpu_ext.sum_squares(self._list(tensors, n), list(numels[:n]), dtype, 1)
+        ctypes.c_float.from_address(out).value = sum(sums)
+        return 0
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
@@ -376,7 +491,7 @@ def fake_cuda(monkeypatch):
     return lib
 
 
-@pytest.mark.parametrize("name", ["adam", "adamw-amsgrad", "sgd-momentum", "sgd-plain"])
+@pytest.mark.parametrize("name", ["adam", "adamw-amsgrad", "sgd-momentum", "sgd-plain", "lamb"])
 def test_cuda_tables_are_built_once_per_layout(fake_cuda, name):
     """Planned steps hand the CUDA library the same pointer arrays every step (only the
     gradient array is new when the gradients are new tensors) and give the same bits as the
@@ -419,3 +534,24 @@ def test_cuda_branch_found_inf_is_checked_on_the_device(fake_cuda):
     opt.step()
     assert len(fake_cuda.calls) == n + 1  # launched: the kernel, not the host, skips
     assert all(torch.equal(p, q) for p, q in zip(before, params))
+
+
+def test_cuda_branch_lamb_norm_is_one_call_over_all_groups(fake_cuda):
+    """Two LAMB groups on the CUDA branch: each step sums the squares of every gradient in one
+    library call, over the groups' planned gradient tables joined in parameter order, and
+    matches the uncached optimizer."""
+    def make(ps):
+        return fo.FusedLAMB([{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-2}], lr=1e-2,
+                            max_grad_norm=0.5)
+    pairs = make_pair(make)
+    for s in range(1, 5):
+        set_grads(pairs, s)
+        del fake_cuda.norm_calls[:]
+        pairs[0][0].step()
+        assert len(fake_cuda.norm_calls) == 1
+        ptrs, numels = fake_cuda.norm_calls[0]
+        assert ptrs == [p.grad.data_ptr() for p in pairs[0][1]]
+        assert numels == [p.numel() for p in pairs[0][1]]
+        pairs[1][0].step()
+        assert_same(pairs)
+    assert plan_of(pairs[0][0], 0) is not None and plan_of(pairs[0][0], 1) is not None

@@ -117,8 +117,8 @@ def test_shutdown_init_reforms_worlds_of_other_sizes():
     assert proc.returncode == 0, proc.stdout[-4000:]
     for rank in range(3):
         assert f"worker {rank} ok" in proc.stdout, proc.stdout[-4000:]
-    # AIAK_ENGINE=native was asked for: the Gloo mode says it runs the Python engine.
-    assert "Gloo transport: using the Python engine" in proc.stdout
+    # AIAK_ENGINE=native was asked for, and the C++ engine runs every Gloo world.
+    assert re.search(r"engine native; transport Gloo", proc.stdout), proc.stdout[-4000:]
     assert "terminate called" not in proc.stdout
 
 
@@ -171,9 +171,8 @@ def test_selection_and_world_from_env():
 
 
 def test_rank_identities_follow_horovod():
-    from aiak_training.runner.gloo_run import rank_identities
-    from aiak_training.runner.hosts import HostSlots
-    ids = rank_identities([HostSlots("a", 2), HostSlots("b", 1)])
+    from aiak_training.runner.hosts import HostSlots, assign_slots
+    ids = [r.horovod_env() for r in assign_slots([HostSlots("a", 2), HostSlots("b", 1)], 3)]
     assert [(i["HOROVOD_RANK"], i["HOROVOD_LOCAL_RANK"], i["HOROVOD_LOCAL_SIZE"],
              i["HOROVOD_CROSS_RANK"], i["HOROVOD_CROSS_SIZE"], i["HOROVOD_HOSTNAME"])
             for i in ids] == [("0", "0", "2", "0", "2", "a"), ("1", "1", "2", "0", "1", "a"),

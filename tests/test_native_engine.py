@@ -1,6 +1,7 @@
 """The native engine (csrc/engine/): its C ABI, and the choice between it and the Python
 engine.  Everything else it does is covered by the per-rank suites, which run on it by
 default and on the Python engine in the ``*_python_engine`` layouts."""
+import re
 import sys
 
 import pytest
@@ -70,3 +71,25 @@ def test_failures_reach_python_as_horovod_errors():
     proc = run_ranks([1], ABANDON, env={"HOROVOD_CYCLE_TIME": "500", "AIAK_ENGINE": "native"},
                      timeout=120)
     assert "abandon checks passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_native_engine_parks_when_idle_over_gloo():
+    """AIAK_IDLE_PARK_MS on the C++ engine of a Gloo job: idle ranks negotiate at most once
+    per park, and a thread waiting on a handle wakes the parked engine at once."""
+    env = {"AIAK_ENGINE": "native", "AIAK_IDLE_PARK_MS": "3000"}
+    proc = run_ranks([1], [sys.executable, "-m", "aiak_training.runner.launch", "--gloo",
+                           "-np", "2", sys.executable, "tests/scripts/idle_park.py"],
+                     env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert len(re.findall(r"rank \d: idle negotiations \d+, 10 allreduces", proc.stdout)) == 2, \
+        proc.stdout[-4000:]
+
+
+@pytest.mark.parametrize("setting, kind", [("", "native"), ("python", "python")])
+def test_engine_selection_over_gloo(setting, kind):
+    """Gloo jobs run the C++ engine too (its transport calls torch's Gloo groups);
+    AIAK_ENGINE=python still selects the Python engine."""
+    proc = run_ranks([1], [sys.executable, "-m", "aiak_training.runner.launch", "--gloo",
+                           "-np", "2", *KIND], env={"AIAK_ENGINE": setting}, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.stdout.count(f"engine={kind};") == 2, proc.stdout

@@ -4,6 +4,7 @@ import signal
 
 import pytest
 
+from aiak_training.common.ranks import RankIdentity
 from aiak_training.runner import launch
 from aiak_training.runner.args import (ignored_flags, network_interfaces, parse_args,
                                        unsupported_flags)
@@ -11,8 +12,8 @@ from aiak_training.runner.env_map import (exportable_names, flag_env, launcher_e
                                           parse_env_assignments, prepend_path)
 from aiak_training.runner.failure import (RankFailure, describe_returncode, read_failures,
                                           shell_status, write_failure)
-from aiak_training.runner.hosts import (HostSlots, SlotInfo, assign_slots, parse_hostfile,
-                                        parse_hosts, used_hosts)
+from aiak_training.runner.hosts import (HostSlots, assign_slots, parse_hostfile, parse_hosts,
+                                        used_hosts)
 from aiak_training.runner.mpi_flavour import Flavour, MpiLauncher, parse_flavour, \
     parse_major_version
 from aiak_training.runner.mpi_run import LaunchSpec, build_mpi_command
@@ -59,9 +60,9 @@ def test_parse_hostfile(tmp_path):
 def test_assign_slots_fills_hosts_in_order():
     slots = assign_slots([HostSlots("a", 2), HostSlots("b", 2), HostSlots("c", 1)], 5)
     assert slots == [
-        SlotInfo(0, "a", 0, 2, 0, 3), SlotInfo(1, "a", 1, 2, 0, 2),
-        SlotInfo(2, "b", 0, 2, 1, 3), SlotInfo(3, "b", 1, 2, 1, 2),
-        SlotInfo(4, "c", 0, 1, 2, 3)]
+        RankIdentity(0, 5, 0, 2, 0, 3, "a"), RankIdentity(1, 5, 1, 2, 0, 2, "a"),
+        RankIdentity(2, 5, 0, 2, 1, 3, "b"), RankIdentity(3, 5, 1, 2, 1, 2, "b"),
+        RankIdentity(4, 5, 0, 1, 2, 3, "c")]
     partial = assign_slots(AB, 3)
     assert [(s.rank, s.hostname, s.local_rank) for s in partial] == [
         (0, "a", 0), (1, "a", 1), (2, "b", 0)]

@@ -1,8 +1,8 @@
 """Launch tests/parallel/test_sharded_optimizer.py (shard_optimizer_state=True, issue 32).
 
 One process, and 2 and 4 ranks under MPI, run the whole file; 4 ranks laid out as 2 virtual
-nodes (MPI, and Gloo through aiakrun --gloo) and 2 ranks over Gloo run the exactness and
-checkpoint tests.  A 200-byte bucket limit makes several buckets whose shards cut through
+nodes (MPI, and Gloo through aiakrun --gloo) and 2 ranks over Gloo run the exactness,
+checkpoint and allgather-overlap tests.  A 200-byte bucket limit makes several buckets whose shards cut through
 parameters.
 """
 import re
@@ -17,7 +17,8 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
           "-o", "faulthandler_timeout=120", "--rootdir", "tests/parallel",
           "tests/parallel/test_sharded_optimizer.py"]
 ENV = {"AIAK_SHARD_BUCKET_BYTES": "200"}
-SUBSET = ["-k", "equal_dense or sum_and_backward or consolidated or loads_into"]
+SUBSET = ["-k", "equal_dense or sum_and_backward or consolidated or loads_into or "
+          "overlapped or read_after_step"]
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 4])

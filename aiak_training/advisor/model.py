@@ -1,10 +1,17 @@
 """The advisor's step-time model: every formula behind its predictions, in one place.
 
 Units: seconds, bytes, bytes per second.  A :class:`Link` is a bandwidth ``bw`` and a
-per-message latency ``lat`` (the alpha-beta model: a message of ``b`` bytes costs
-``lat + b / bw``).
+per-message (per ring step) wire latency ``lat`` (the alpha-beta model: a message of ``b``
+bytes costs ``lat + b / bw``).
 
-Collectives, for ``b`` bytes per rank:
+Every collective also pays the engine's fixed cost once, ``op`` (:attr:`Cluster.op_s`):
+negotiating the tensor with the other ranks, waking the background thread and launching the
+operation.  It does not depend on the ring's length in steps, so it is charged once per
+collective (:func:`allreduce_time`, :func:`dgc_exchange`), not once per ring step.  The advisor
+measures it as the time of a 4-byte allreduce over all the job's ranks, which also covers
+every wire hop of that collective; the measured links then carry ``lat = 0``.
+
+Collectives, for ``b`` bytes per rank (each plus ``op``):
 
 * **ring allreduce** over ``n`` ranks (:func:`ring_allreduce`)::
 
@@ -29,7 +36,7 @@ Collectives, for ``b`` bytes per rank:
   ``k = ceil(density * numel)`` (index, value) pairs and a 4-byte count, gathered from every
   rank by a ring allgather of ``p`` segments of ``s`` bytes::
 
-      T = (p-1) * s/bw + (p-1) * lat,   s = sum(4 + k * (4 + value bytes))
+      T = op + (p-1) * s/bw + (p-1) * lat,   s = sum(4 + k * (4 + value bytes))
 
   plus the selection, ``DGC_SELECT_S_PER_ELEMENT`` seconds per compressed element, and a
   dense allreduce of the tensors below ``DGC_MIN_NUMEL`` elements.
@@ -103,6 +110,8 @@ class Cluster:
     intra: Link
     copy_bw: float
     gloo: bool = False
+    #: The engine's fixed cost of one collective, charged once per collective.
+    op_s: float = 0.0
 
     @property
     def size(self) -> int:
@@ -215,8 +224,9 @@ ALGORITHMS = {"flat": flat_allreduce, "hier_staged": hier_staged,
 
 
 def allreduce_time(algo: str, nbytes: float, c: Cluster) -> float:
-    """Time of one allreduce of ``nbytes`` with the named algorithm."""
-    return ALGORITHMS[algo](nbytes, c)
+    """Time of one allreduce of ``nbytes`` with the named algorithm: the engine's fixed
+    cost once, plus the algorithm's wire time."""
+    return c.op_s + ALGORITHMS[algo](nbytes, c)
 
 
 def pack_buckets(grads: Sequence[Tuple[int, float]], cycle_s: float,
@@ -271,7 +281,9 @@ def dgc_exchange(numels: Sequence[int], c: Cluster, k: Constants = CONSTANTS) ->
     segment = sum(4 + math.ceil(k.dgc_density * n) * (k.dgc_index_bytes + k.dgc_value_bytes)
                   for n in sparse)
     link = c.net if c.nodes > 1 else c.intra
-    return ring_allgather(segment, c.size, link) + flat_allreduce(dense_bytes, c)
+    gather = c.op_s + ring_allgather(segment, c.size, link) if sparse else 0.0
+    dense = allreduce_time("flat", dense_bytes, c) if dense_bytes else 0.0
+    return gather + dense
 
 
 def predict_step(cfg: Config, p: Profile, c: Cluster, k: Constants = CONSTANTS) -> float:

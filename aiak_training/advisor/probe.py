@@ -7,7 +7,11 @@ flags.  Every collective goes through the engine, over MPI or Gloo as the job wo
   of a small and a large message.  For two ranks the ring formula gives ``T = b/bw + 2 lat``,
   so ``lat = T_small / 2`` and ``bw = (b_large - b_small) / (T_large - T_small)``;
 * inside node 0, the same between its first two ranks (when it has two);
-* every rank's memory copy bandwidth, all ranks copying at once as the pipelined stage does.
+* every rank's memory copy bandwidth, all ranks copying at once as the pipelined stage does;
+* the engine's fixed cost of one collective (``op_s``): a 4-byte allreduce over all the ranks
+  with the job's own algorithm.  The model charges it once per collective; the pairs' small
+  messages cannot split it from the wire's latency (both are in ``T_small``), and taking the
+  slowest of several noisy pairs would inflate it.
 
 Rank 0 writes the results as JSON.
 """
@@ -63,6 +67,15 @@ def _pair_link(hvd: Any, ranks: List[int], name: str) -> Dict[str, float]:
     return result
 
 
+def _op_cost(hvd: Any) -> float:
+    """Median time of a 4-byte allreduce over every rank (all ranks call this)."""
+    import torch
+    small = torch.zeros(SMALL_BYTES // 4)
+    hvd.allreduce(small, name="advise.op.w")
+    hvd.barrier()
+    return _timed(lambda: hvd.allreduce(small, name="advise.op"), SMALL_REPS)
+
+
 def _copy_bw() -> float:
     import torch
     src = torch.ones(COPY_BYTES // 4)
@@ -88,6 +101,7 @@ def measure(hvd: Any) -> Dict[str, Any]:
     if len(first) > 1:
         got = _pair_link(hvd, first[:2], "intra")
         intra = hvd.broadcast_object(got, root_rank=first[0])
+    op_s = hvd.broadcast_object(_op_cost(hvd), root_rank=0)
     hvd.barrier()
     copies = hvd.allgather_object(_copy_bw())
     return {
@@ -97,6 +111,7 @@ def measure(hvd: Any) -> Dict[str, Any]:
         "links": links,
         "intra": intra,
         "copy_bw": statistics.median(copies),
+        "op_s": op_s,
         "gloo": bool(hvd.gloo_enabled()),
     }
 

@@ -9,27 +9,43 @@ from aiak_training.advisor.whatif import WhatIf
 
 #: A lossless configuration must beat the plain path by this much to be recommended.
 MIN_GAIN = 1.02
+#: A switch (``overlap_update``, a fused optimizer) is recommended only if the configuration
+#: with it is predicted this much faster than the same configuration without it.  Below
+#: that the difference is smaller than the model's own error (its target is 15%), and a
+#: switch that gains nothing measurable still costs the user a change and something to debug.
+MIN_SWITCH_GAIN = 1.05
 
 
 def cluster_from_probe(probe: Dict[str, Any]) -> Cluster:
-    """The measured cluster; the slowest node pair stands for the network (a ring runs at
-    its slowest edge)."""
+    """The measured cluster; the slowest node pair's bandwidth stands for the network (a
+    ring runs at its slowest edge).
+
+    With ``op_s`` (the all-rank 4-byte allreduce) the links get no per-step latency: the
+    measured small-collective time already holds the engine's cost and every wire hop, and
+    the model charges it once per collective.  Without it (an older probe), each link keeps
+    its pair's latency and the model charges it per ring step."""
     intra = probe.get("intra")
     links = probe.get("links") or []
     copy_bw = float(probe["copy_bw"])
+    op_s = probe.get("op_s")
+    keep = op_s is None
     # One rank per node: no in-node pair to measure; memory copies stand in for it.
-    intra_link = Link(intra["bw"], intra["lat"]) if intra else Link(copy_bw, 0.0)
+    intra_link = Link(intra["bw"], intra["lat"] if keep else 0.0) if intra \
+        else Link(copy_bw, 0.0)
     if links:
-        net = Link(min(x["bw"] for x in links), max(x["lat"] for x in links))
+        net = Link(min(x["bw"] for x in links),
+                   max(x["lat"] for x in links) if keep else 0.0)
     else:
         net = intra_link
     return Cluster(nodes=int(probe["nodes"]), ranks_per_node=int(probe["ranks_per_node"]),
-                   net=net, intra=intra_link, copy_bw=copy_bw, gloo=bool(probe.get("gloo")))
+                   net=net, intra=intra_link, copy_bw=copy_bw, gloo=bool(probe.get("gloo")),
+                   op_s=float(op_s or 0.0))
 
 
 def apply_what_if(c: Cluster, w: WhatIf, measured_net: bool) -> Cluster:
-    """The hypothetical cluster: its layout and link; latency from ``latency_us``, else the
-    measured network's, else :data:`CONSTANTS.default_latency_s`."""
+    """The hypothetical cluster: its layout and link; per-step latency from ``latency_us``,
+    else the measured network's (none beyond the measured per-collective cost, which is
+    kept), else :data:`CONSTANTS.default_latency_s` when the job ran on one node."""
     if w.latency_us is not None:
         lat = w.latency_us * 1e-6
     else:
@@ -46,10 +62,25 @@ def profile_from_ranks(docs: Sequence[Dict[str, Any]]) -> Profile:
                    grad_numels=[int(n) for n in doc.get("numels", [])])
 
 
+def _switches(cfg: Config) -> int:
+    return int(cfg.overlap) + int(cfg.fused)
+
+
+def _fewer_switches(cfg: Config, other: Config) -> bool:
+    """Whether ``other`` is ``cfg`` with one or more of its switches turned off."""
+    return (other.algo == cfg.algo and not other.dgc and other != cfg
+            and other.overlap <= cfg.overlap and other.fused <= cfg.fused)
+
+
 def recommend(rows: Sequence[Tuple[Config, float, float]]) -> Tuple[Config, float]:
-    """The fastest lossless row, or plain flat when nothing gains ``MIN_GAIN``."""
+    """The fastest lossless row, with every switch that does not gain ``MIN_SWITCH_GAIN``
+    turned off again; plain flat when nothing gains ``MIN_GAIN``."""
     lossless = [r for r in rows if not r[0].dgc]
     best = min(lossless, key=lambda r: r[1])
+    simpler = [r for r in lossless if _fewer_switches(best[0], r[0])
+               and r[1] < best[1] * MIN_SWITCH_GAIN]
+    if simpler:
+        best = min(simpler, key=lambda r: (_switches(r[0]), r[1]))
     return (best[0], best[2]) if best[2] >= MIN_GAIN else (lossless[0][0], 1.0)
 
 
@@ -68,10 +99,12 @@ def format_table(p: Profile, c: Cluster, *, what_if: Optional[WhatIf] = None,
                f"{'Gloo' if c.gloo else 'MPI'}")
     out.append(f"  network {_gb(c.net.bw)}, latency {c.net.lat * 1e3:.3g} ms; in-node "
                f"{_gb(c.intra.bw)}, {c.intra.lat * 1e3:.3g} ms; memory copy {_gb(c.copy_bw)}")
+    out.append(f"  per-collective cost {c.op_s * 1e3:.3g} ms (a 4-byte allreduce over all "
+               "ranks; charged once per collective)")
     for link in links:
         a, b = link["nodes"]
         out.append(f"  measured link node {a} <-> node {b}: {_gb(link['bw'])}, "
-                   f"{link['lat'] * 1e3:.3g} ms")
+                   f"small message {2 * link['lat'] * 1e3:.3g} ms")
     fused = ("n/a" if p.fused_update_s is None else f"{p.fused_update_s * 1e3:.3g} ms")
     out.append(f"  model: {len(p.grads)} gradient tensor(s), {p.total_bytes / 1e6:.3g} MB; "
                f"compute {p.call_s * 1e3:.3g} ms/step; update {p.update_s * 1e3:.3g} ms "

@@ -20,6 +20,9 @@ Their earlier names ``horovod-hier`` and ``aiak-hier`` are accepted as aliases.
 :func:`select_algorithm` turns ``AIAK_ALLREDUCE_ALGO`` / ``HOROVOD_HIERARCHICAL_ALLREDUCE`` and
 the topology into one of them; :func:`create_algorithm` builds one by name (tests and
 benchmarks use it directly).
+
+hier_scatter.py is not an allreduce: it holds the two-level reduce-scatter and allgather the
+engine runs for ``hvd.reducescatter``/``hvd.allgather`` on multi-node topologies.
 """
 import logging
 from typing import Callable, Tuple

@@ -62,10 +62,11 @@ class Config:
     # The watchdog's liveness probe: a small TCP listener per rank that lets the watchdog name
     # the peers that are gone.  AIAK_LIVENESS_PROBE.
     liveness_probe: bool = True
-    # Which engine runs the background loop: "native" (C++, csrc/engine/) or "python" (the
-    # fallback, kept for one release).  AIAK_ENGINE.
+    # Which engine runs the background loop: "native" (C++, csrc/engine/; MPI and Gloo jobs)
+    # or "python" (the fallback, kept for one release).  AIAK_ENGINE.
     engine: str = "native"
-    # Python engine only: after a cycle that ended with nothing of this rank's own in flight,
+    # Gloo jobs (either engine) and the Python engine over MPI: after a cycle that ended with
+    # nothing of this rank's own in flight,
     # the engine thread parks for up to this long (0: never), and a thread that waits on a handle
     # wakes it.  Each idle negotiation is a collective; over Gloo one costs hundreds of
     # microseconds and a wake-up of Gloo's worker thread, which on a busy host competes with

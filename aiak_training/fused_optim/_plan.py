@@ -58,10 +58,11 @@ def pick(values: List[Any], ids: Optional[List[int]]) -> List[Any]:
 class Bucket:
     """The tables of one kernel call: the plan positions of one (dtype, master weights) pair."""
 
-    __slots__ = ("ids", "dtype_code", "numels", "c_numels", "tables", "arrays")
+    __slots__ = ("ids", "dtype", "dtype_code", "numels", "c_numels", "tables", "arrays")
 
     def __init__(self, ids: Optional[List[int]], dtype: torch.dtype, numels: List[int]) -> None:
         self.ids = ids  # None: every position, in order
+        self.dtype = dtype
         self.dtype_code = B.DTYPE_CODES[dtype]
         self.numels = numels
         self.c_numels = B.int64_array(numels)

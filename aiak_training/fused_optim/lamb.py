@@ -23,16 +23,40 @@ ISA-dependent error that step 2's near-cancellations (g / clip + wd * p) amplifi
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _backend as B
+from . import _plan as P
 from ._base import FusedOptimizerBase, to_float
+from ._grad_norm import NormParts, global_grad_norm
 
 __all__ = ["FusedLAMB", "fused_lamb", "global_grad_norm"]
+
+
+def _lamb_update(param: Tensor, g: Tensor, m: Tensor, v: Tensor, state_step: Tensor,
+                 master: Optional[Tensor], *, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, bias_correction: bool, grad_averaging: bool,
+                 adam_w_mode: bool) -> Tuple[Tensor, Tensor]:
+    """Steps 2-4 of the module docstring for one tensor, on the (already clipped) gradient
+    ``g`` in opmath: advances the step count and the moments in place, returns the weights
+    the update applies to (the master copy, or ``param`` in opmath) and the update ``u``."""
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    p = master if master is not None else param.to(B.state_dtype(param.dtype))
+    state_step += 1
+    step = float(state_step.item())
+    bc1 = 1 - beta1 ** step if bias_correction else 1.0
+    bc2 = 1 - beta2 ** step if bias_correction else 1.0
+    if not adam_w_mode and weight_decay != 0:
+        g = g + weight_decay * p
+    m.mul_(beta1).add_(g, alpha=beta3)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    u = (m / bc1) / ((v / bc2).sqrt() + eps)
+    if adam_w_mode and weight_decay != 0:
+        u.add_(p, alpha=weight_decay)
+    return p, u
 
 
 def _single_tensor_lamb(
@@ -42,28 +66,18 @@ def _single_tensor_lamb(
     adam_w_mode: bool, use_nvlamb: bool, clip: float, inv_scale: Optional[float],
 ) -> None:
     """Reference LAMB with torch ops, one tensor at a time."""
-    beta3 = 1 - beta1 if grad_averaging else 1.0
     for i, param in enumerate(params):
-        grad, m, v, master = grads[i], exp_avgs[i], exp_avg_sqs[i], master_params[i]
-        opmath = B.state_dtype(param.dtype)
-        g = grad.to(opmath)
+        grad = grads[i]
+        g = grad.to(B.state_dtype(param.dtype))
         if inv_scale is not None:
             grad.copy_(g * inv_scale)
             g = g * (inv_scale / clip)
         elif clip != 1.0:
             g = g * (1.0 / clip)
-        p = master if master is not None else param.to(opmath)
-        state_steps[i] += 1
-        step = float(state_steps[i].item())
-        bc1 = 1 - beta1 ** step if bias_correction else 1.0
-        bc2 = 1 - beta2 ** step if bias_correction else 1.0
-        if not adam_w_mode and weight_decay != 0:
-            g = g + weight_decay * p
-        m.mul_(beta1).add_(g, alpha=beta3)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        u = (m / bc1) / ((v / bc2).sqrt() + eps)
-        if adam_w_mode and weight_decay != 0:
-            u.add_(p, alpha=weight_decay)
+        p, u = _lamb_update(param, g, exp_avgs[i], exp_avg_sqs[i], state_steps[i],
+                            master_params[i], beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay, bias_correction=bias_correction,
+                            grad_averaging=grad_averaging, adam_w_mode=adam_w_mode)
         ratio = lr
         if weight_decay != 0 or use_nvlamb:
             p_norm = float(p.double().norm())
@@ -75,93 +89,69 @@ def _single_tensor_lamb(
             param.copy_(p)
 
 
-def global_grad_norm(grads: Sequence[Tensor], grad_scale: Optional[Tensor] = None) -> Optional[Tensor]:
-    """L2 norm of all gradients (unscaled by ``grad_scale``), as a float64 scalar tensor on the
-    first gradient's device.  CPU and CUDA gradients use the fused kernels (deterministic
-    order); other cases fall back to torch ops."""
-    if not grads:
-        return None
-    by_device: Dict[torch.device, List[Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    target = grads[0].device
-    total = torch.zeros((), dtype=torch.float64, device=target)
-    for device, gs in by_device.items():
-        part = torch.zeros((), dtype=torch.float64, device=device)
-        by_dtype: Dict[torch.dtype, List[Tensor]] = {}
-        for g in gs:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype, ts in by_dtype.items():
-            friendly = [t for t in ts if t.is_contiguous()]
-            other = [t for t in ts if not t.is_contiguous()]
-            if device.type == "cpu" and B.cpu_ext is not None and friendly:
-                sums = B.cpu_ext.sum_squares([t.data_ptr() for t in friendly],
-                                             [t.numel() for t in friendly], B.DTYPE_CODES[dtype],
-                                             B.num_threads())
-                part += math.fsum(sums)
-            elif device.type == "cuda" and B.cuda_lib() is not None and friendly:
-                lib = B.cuda_lib()
-                numels = B.int64_array([t.numel() for t in friendly])
-                out = torch.zeros((), dtype=torch.float32, device=device)
-                ws = torch.empty(int(lib.aiak_fused_lamb_cuda_workspace_bytes(len(friendly), numels)),
-                                 dtype=torch.uint8, device=device)
-                with torch.cuda.device(device):
-                    rc = lib.aiak_fused_sum_squares_cuda(
-                        len(friendly), numels, B.ptr_array(friendly), B.DTYPE_CODES[dtype],
-                        out.data_ptr(), ws.data_ptr(), B.cuda_stream(device))
-                B.check_cuda(rc, "aiak_fused_sum_squares_cuda")
-                part += out.double()
-            else:
-                other = ts
-            for t in other:
-                part += t.double().pow(2).sum()
-        total += part.to(target)
-    norm = total.sqrt()
-    if grad_scale is not None:
-        norm = norm / grad_scale.to(device=target, dtype=torch.float64)
-    return norm
+# fused_lamb's positional lists; all but the first two are also the tables of a plan.
+_LIST_KEYS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "state_steps", "master_params")
+# Plan table -> the optimizer state key it comes from.
+_LAMB_STATE_KEYS = {"exp_avgs": "exp_avg", "exp_avg_sqs": "exp_avg_sq",
+                    "master_params": "master_param", "state_steps": "step"}
 
 
-def _multi_tensor_fused_lamb(
-    idx: Sequence[int], params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
-    exp_avg_sqs: List[Tensor], state_steps: List[Tensor], master_params: List[Optional[Tensor]],
-    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+def _lamb_plan(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+               exp_avg_sqs: List[Tensor], state_steps: List[Tensor],
+               master_params: List[Optional[Tensor]], **cache_args: Any) -> P.Plan:
+    return P.Plan(params, grads, dict(zip(_LIST_KEYS[2:], (
+        exp_avgs, exp_avg_sqs, state_steps, master_params))),
+        master_slot="master_params", **cache_args)
+
+
+def _clip_divisor(grad_norm: Optional[Tensor], max_grad_norm: Optional[float]) -> float:
+    """What the CPU kernels and the reference path divide gradients by (a host sync); the CUDA
+    kernels read the norm on the device instead."""
+    if grad_norm is None or max_grad_norm is None or max_grad_norm <= 0:
+        return 1.0
+    norm = to_float(grad_norm)
+    return norm / max_grad_norm if norm > max_grad_norm else 1.0
+
+
+def _launch_lamb(
+    plan: P.Plan, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     bias_correction: bool, grad_averaging: bool, adam_w_mode: bool, use_nvlamb: bool,
     max_grad_norm: float, grad_norm: Optional[Tensor], clip: float,
     grad_scale: Optional[Tensor], found_inf: Optional[Tensor],
 ) -> None:
-    device = params[idx[0]].device
-    for (dtype, has_master), ids in B.kernel_buckets(params, master_params, idx).items():
-        ps = [params[i] for i in ids]
-        numels = [p.numel() for p in ps]
-        if device.type == "cpu":
-            gs = 0.0 if grad_scale is None else to_float(grad_scale)
+    """One kernel call per (dtype, master-weights) bucket of the plan.  ``clip`` is the host
+    divisor for the CPU kernels; CUDA kernels take ``grad_norm`` (clipping off when None) and
+    check ``found_inf`` on the device.  On CPU the caller has checked ``found_inf``."""
+    if not plan.cuda:
+        gs = 0.0 if grad_scale is None else to_float(grad_scale)
+        threads = B.num_threads()
+        for b in plan.buckets:
+            t = b.tables
             B.cpu_ext.lamb(
-                [p.data_ptr() for p in ps], [grads[i].data_ptr() for i in ids],
-                [exp_avgs[i].data_ptr() for i in ids], [exp_avg_sqs[i].data_ptr() for i in ids],
-                [master_params[i].data_ptr() for i in ids] if has_master else [],
-                [state_steps[i].data_ptr() for i in ids], numels, B.DTYPE_CODES[dtype],
-                lr, beta1, beta2, eps, weight_decay, bias_correction, grad_averaging,
-                adam_w_mode, use_nvlamb, clip, gs, B.num_threads())
-        else:
-            lib = B.cuda_lib()
-            n_arr = B.int64_array(numels)
-            ws = torch.empty(int(lib.aiak_fused_lamb_cuda_workspace_bytes(len(ids), n_arr)),
+                t["params"], t["grads"], t["exp_avgs"], t["exp_avg_sqs"], t["master_params"],
+                t["state_steps"], b.numels, b.dtype_code, lr, beta1, beta2, eps, weight_decay,
+                bias_correction, grad_averaging, adam_w_mode, use_nvlamb, clip, gs, threads)
+        return
+    device = plan.device
+    lib = B.cuda_lib()
+    gs_ptr, _gs_keep = B.scalar_ptr(grad_scale, device)
+    fi_ptr, _fi_keep = B.scalar_ptr(found_inf, device)
+    gn_ptr, _gn_keep = B.scalar_ptr(grad_norm, device)
+    stream = B.cuda_stream(device)
+    with torch.cuda.device(device):
+        for b in plan.buckets:
+            a = b.arrays
+            # Allocated per launch on the current stream, so the caching allocator orders its
+            # reuse; the size is one C call over the numels array.
+            ws = torch.empty(int(lib.aiak_fused_lamb_cuda_workspace_bytes(len(b.numels), b.c_numels)),
                              dtype=torch.uint8, device=device)
-            gs_ptr, _gs_keep = B.scalar_ptr(grad_scale, device)
-            fi_ptr, _fi_keep = B.scalar_ptr(found_inf, device)
-            gn_ptr, _gn_keep = B.scalar_ptr(grad_norm, device)
-            with torch.cuda.device(device):
-                rc = lib.aiak_fused_lamb_cuda(
-                    len(ids), n_arr, B.ptr_array(ps), B.ptr_array([grads[i] for i in ids]),
-                    B.ptr_array([exp_avgs[i] for i in ids]),
-                    B.ptr_array([exp_avg_sqs[i] for i in ids]),
-                    B.ptr_array([master_params[i] for i in ids]),
-                    B.ptr_array([state_steps[i] for i in ids]), B.DTYPE_CODES[dtype],
-                    lr, beta1, beta2, eps, weight_decay, int(bias_correction),
-                    int(grad_averaging), int(adam_w_mode), int(use_nvlamb),
-                    max_grad_norm if grad_norm is not None else 0.0, gn_ptr,
-                    gs_ptr, fi_ptr, ws.data_ptr(), B.cuda_stream(device))
+            rc = lib.aiak_fused_lamb_cuda(
+                len(b.numels), b.c_numels, a["params"], a["grads"], a["exp_avgs"],
+                a["exp_avg_sqs"], a["master_params"], a["state_steps"], b.dtype_code,
+                lr, beta1, beta2, eps, weight_decay, int(bias_correction),
+                int(grad_averaging), int(adam_w_mode), int(use_nvlamb),
+                max_grad_norm if grad_norm is not None else 0.0, gn_ptr,
+                gs_ptr, fi_ptr, ws.data_ptr(), stream)
             B.check_cuda(rc, "aiak_fused_lamb_cuda")
 
 
@@ -186,13 +176,6 @@ def fused_lamb(
     device = params[0].device
     clipping = grad_norm is not None and max_grad_norm is not None and max_grad_norm > 0
 
-    def host_clip() -> float:
-        """Clip divisor for the CPU kernels and the reference path (CUDA reads it on device)."""
-        if not clipping:
-            return 1.0
-        norm = to_float(grad_norm)
-        return norm / max_grad_norm if norm > max_grad_norm else 1.0
-
     def tensors_of(i: int) -> List[Tensor]:
         ts = [params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]]
         if master_params[i] is not None:
@@ -200,14 +183,16 @@ def fused_lamb(
         return ts
 
     def run_fast(idx: List[int]) -> None:
-        _multi_tensor_fused_lamb(
-            idx, params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, lr=lr,
-            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        plan = _lamb_plan(pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs),
+                          pick(state_steps), pick(master_params))
+        _launch_lamb(
+            plan, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             bias_correction=bias_correction, grad_averaging=grad_averaging,
             adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb,
             max_grad_norm=max_grad_norm or 0.0, grad_norm=grad_norm if clipping else None,
-            clip=host_clip() if device.type == "cpu" else 1.0, grad_scale=grad_scale,
-            found_inf=found_inf)
+            clip=1.0 if plan.cuda else _clip_divisor(grad_norm if clipping else None, max_grad_norm),
+            grad_scale=grad_scale, found_inf=found_inf)
 
     def run_slow(idx: List[int]) -> None:
         pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
@@ -216,7 +201,8 @@ def fused_lamb(
             pick(master_params), lr=lr, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, bias_correction=bias_correction,
             grad_averaging=grad_averaging, adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb,
-            clip=host_clip(), inv_scale=None if grad_scale is None else 1.0 / to_float(grad_scale))
+            clip=_clip_divisor(grad_norm if clipping else None, max_grad_norm),
+            inv_scale=None if grad_scale is None else 1.0 / to_float(grad_scale))
 
     B.dispatch("LAMB", device, n, tensors_of, use_kernels, found_inf, run_fast, run_slow)
 
@@ -280,44 +266,92 @@ class FusedLAMB(FusedOptimizerBase):
         super().zero_grad(set_to_none=set_to_none)
 
     def _fused_step(self) -> None:
-        """Update every parameter that has a gradient (see :meth:`step`)."""
+        """Update every parameter that has a gradient (see :meth:`step`).
+
+        As FusedAdam: each group's tables come from a cached plan (see _plan.py) while it still
+        describes the group.  LAMB first needs the norm of every gradient of every group
+        (global clipping, as Apex), so all groups are resolved before any update; the planned
+        groups hand the norm their gradient tables as they are."""
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        per_group = []
-        all_grads: List[Tensor] = []
-        for group in self.param_groups:
-            lists: Dict[str, list] = {k: [] for k in ("params", "grads", "exp_avgs", "exp_avg_sqs",
-                                                      "state_steps", "master_params")}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = self._check_grad(p)
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = self._new_step(p)
-                    state["exp_avg"] = self._zeros_state(p)
-                    state["exp_avg_sq"] = self._zeros_state(p)
-                lists["params"].append(p)
-                lists["grads"].append(grad)
-                lists["exp_avgs"].append(state["exp_avg"])
-                lists["exp_avg_sqs"].append(state["exp_avg_sq"])
-                lists["state_steps"].append(state["step"])
-                lists["master_params"].append(self._master_for(group, state, p))
-            per_group.append((group, lists))
-            all_grads.extend(lists["grads"])
-        # Global clipping needs every gradient before any update (Apex: over all groups).
+        cache = P.plans_of(self)
+        resolved = []  # (group, plan or None, gathered lists or None)
+        parts = NormParts()
+        for index, group in enumerate(self.param_groups):
+            flags = (bool(group.get("master_weights", False)),)
+            plan, key = cache.lookup(index, group["params"], self.state, flags)
+            lists = None
+            if plan is None:
+                lists = self._gather(group)
+                plan = self._new_plan(lists, key, flags, group)
+                if plan is not None:
+                    cache.store(plan)
+                    lists = None
+            if plan is not None:
+                parts.add_plan(plan)
+            elif lists["params"]:
+                parts.add_tensors(lists["grads"])
+            resolved.append((group, plan, lists))
         max_grad_norm = self.defaults.get("max_grad_norm")
         clipping = max_grad_norm is not None and max_grad_norm > 0
-        grad_norm = global_grad_norm(all_grads, grad_scale) if clipping and all_grads else None
-        for group, lists in per_group:
+        grad_norm = parts.norm(grad_scale) if clipping and parts else None
+        clip: Optional[float] = None  # the host divisor, synced once for all CPU groups
+        for group, plan, lists in resolved:
             beta1, beta2 = group["betas"]
-            fused_lamb(
-                lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
-                lists["state_steps"], lists["master_params"], lr=to_float(group["lr"]),
-                beta1=to_float(beta1), beta2=to_float(beta2), eps=float(group["eps"]),
-                weight_decay=to_float(group["weight_decay"]),
-                bias_correction=bool(group["bias_correction"]),
-                grad_averaging=bool(group["grad_averaging"]),
-                adam_w_mode=bool(group["adam_w_mode"]), use_nvlamb=bool(group["use_nvlamb"]),
-                max_grad_norm=max_grad_norm if clipping else None, grad_norm=grad_norm,
-                grad_scale=grad_scale, found_inf=found_inf)
+            hyper = dict(lr=to_float(group["lr"]), beta1=to_float(beta1), beta2=to_float(beta2),
+                         eps=float(group["eps"]), weight_decay=to_float(group["weight_decay"]),
+                         bias_correction=bool(group["bias_correction"]),
+                         grad_averaging=bool(group["grad_averaging"]),
+                         adam_w_mode=bool(group["adam_w_mode"]),
+                         use_nvlamb=bool(group["use_nvlamb"]), grad_norm=grad_norm,
+                         grad_scale=grad_scale, found_inf=found_inf)
+            if plan is not None:
+                if not plan.cuda:
+                    if found_inf is not None and to_float(found_inf) != 0.0:
+                        continue  # the CPU kernels skip on the host, like fused_lamb
+                    if clip is None:
+                        clip = _clip_divisor(grad_norm, max_grad_norm)
+                try:
+                    _launch_lamb(plan, max_grad_norm=max_grad_norm if clipping else 0.0,
+                                 clip=1.0 if plan.cuda else clip, **hyper)
+                    continue
+                except B.CudaKernelsUnusable as err:  # at the first launch, before any write
+                    B.mark_cuda_unusable(plan.device, err)
+                    cache.clear()
+                    lists = self._gather(group)
+            if lists["params"]:
+                fused_lamb(*(lists[k] for k in _LIST_KEYS),
+                           max_grad_norm=max_grad_norm if clipping else None, **hyper)
+
+    def _gather(self, group: Dict[str, Any]) -> Dict[str, list]:
+        """The group's tensors as fused_lamb's lists, creating missing state."""
+        lists: Dict[str, list] = {k: [] for k in _LIST_KEYS}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = self._check_grad(p)
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = self._new_step(p)
+                state["exp_avg"] = self._zeros_state(p)
+                state["exp_avg_sq"] = self._zeros_state(p)
+            lists["params"].append(p)
+            lists["grads"].append(grad)
+            lists["exp_avgs"].append(state["exp_avg"])
+            lists["exp_avg_sqs"].append(state["exp_avg_sq"])
+            lists["master_params"].append(self._master_for(group, state, p))
+            lists["state_steps"].append(state["step"])
+        return lists
+
+    def _new_plan(self, lists: Dict[str, list], key: Any, flags: Tuple,
+                  group: Dict[str, Any]) -> Optional[P.Plan]:
+        """A plan for the gathered group, or None when some tensor needs the reference path
+        (or the group has no gradient)."""
+        params = lists["params"]
+        per_position = [[t for t in ts if t is not None] for ts in zip(
+            params, lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
+            lists["master_params"])]
+        if not params or not P.plannable(params[0].device, per_position):
+            return None
+        return _lamb_plan(*(lists[k] for k in _LIST_KEYS), state_keys=dict(_LAMB_STATE_KEYS),
+                          key=key, flags=flags, state=self.state, group_params=group["params"])

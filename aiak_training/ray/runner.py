@@ -23,6 +23,7 @@ from ray.util.placement_group import (get_current_placement_group, placement_gro
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from aiak_training.common.ranks import place_ranks
 from aiak_training.runner import engine_jobs
 from aiak_training.ray.mpi_world import HydraWorld, new_key, ray_transport
 from aiak_training.ray.worker import BaseHorovodWorker
@@ -401,9 +402,9 @@ class RayExecutor:
                              "opening the MPI rendezvous")
         # One hydra proxy per node, started by the node's local rank 0 (ranks of one node are
         # contiguous, see _place_workers, as hydra numbers them).
-        topo = engine_jobs.topology([w.node_id for w in self._workers])
-        leaders = [w for w, t in zip(self._workers, topo) if t["local_rank"] == 0]
-        sizes = [t["local_size"] for t in topo if t["local_rank"] == 0]
+        placement = place_ranks([w.node_id for w in self._workers])
+        leaders = [w for w, r in zip(self._workers, placement) if r.local_rank == 0]
+        sizes = [r.local_size for r in placement if r.local_rank == 0]
         self._hydra = HydraWorld(mpiexec, sizes, {w.rank: tuple(a) for w, a in
                                                   zip(self._workers, addrs)},
                                  key, ray.util.get_node_ip_address(), timeout_s)

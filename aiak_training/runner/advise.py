@@ -188,8 +188,14 @@ def _write_json(path: str, profile: Profile, cluster: Cluster, took: float) -> N
     rows = predict_table(profile, cluster)
     best, _ = recommend(rows)
     doc = {"seconds": took, "nodes": cluster.nodes, "ranks_per_node": cluster.ranks_per_node,
-           "net": {"bw": cluster.net.bw, "lat": cluster.net.lat},
+           "net": {"bw": cluster.net.bw, "lat": cluster.net.lat}, "op_s": cluster.op_s,
            "recommended": best.name,
+           # The model's inputs, so that a changed model can be re-checked on these data.
+           "profile": {"grads": profile.grads, "call_s": profile.call_s,
+                       "update_s": profile.update_s, "fused_update_s": profile.fused_update_s,
+                       "numels": profile.grad_numels},
+           "cluster": {"intra": [cluster.intra.bw, cluster.intra.lat],
+                       "copy_bw": cluster.copy_bw, "gloo": cluster.gloo},
            "rows": [{"name": cfg.name, "flags": cfg.flags, "step_s": t, "speedup": sp,
                      "lossless": not cfg.dgc} for cfg, t, sp in rows]}
     with open(path, "w", encoding="utf-8") as f:

@@ -13,6 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import cloudpickle
 
+from aiak_training.common.ranks import place_ranks
+
 
 def contiguous_order(host_keys: Sequence[str]) -> List[int]:
     """Worker indices reordered so that workers on one host are adjacent.
@@ -25,31 +27,6 @@ def contiguous_order(host_keys: Sequence[str]) -> List[int]:
     for index, key in enumerate(host_keys):
         groups.setdefault(key, []).append(index)
     return list(itertools.chain.from_iterable(groups.values()))
-
-
-def topology(hosts_by_rank: Sequence[str]) -> List[Dict[str, int]]:
-    """Horovod's local/cross numbering for ranks whose hosts are given in rank order.
-
-    The hosts must already be contiguous (see :func:`contiguous_order`).  ``cross_rank`` is the
-    index of this rank's host among the hosts that have a rank with the same ``local_rank``,
-    and ``cross_size`` is how many such hosts there are, as in Horovod.
-    """
-    seen: List[str] = []
-    for host in hosts_by_rank:
-        if not seen or seen[-1] != host:
-            if host in seen:
-                raise ValueError(f"ranks of host {host!r} are not contiguous: {list(hosts_by_rank)}")
-            seen.append(host)
-    sizes = {h: sum(1 for x in hosts_by_rank if x == h) for h in seen}
-    out: List[Dict[str, int]] = []
-    counters: Dict[str, int] = {}
-    for host in hosts_by_rank:
-        local_rank = counters.get(host, 0)
-        counters[host] = local_rank + 1
-        hosts_with_slot = [h for h in seen if sizes[h] > local_rank]
-        out.append(dict(local_rank=local_rank, local_size=sizes[host],
-                        cross_rank=hosts_with_slot.index(host), cross_size=len(hosts_with_slot)))
-    return out
 
 
 def nic_env(nics: Optional[Sequence[str]], gloo: bool = True) -> Dict[str, str]:
@@ -75,11 +52,11 @@ def rank_envs(hosts_by_rank: Sequence[str], addr: str, port: int, prefix: str = 
     ``extra`` (the user's variables) is applied last, so it may override anything.  Leave
     ``prefix`` empty when the store serves only this job: the ranks then key each world
     they form (every ``hvd.init()`` after a ``shutdown()``) by its sequence number, which a
-    fixed prefix would not do.
+    fixed prefix would not do.  Raises ValueError when the ranks of one host are not
+    adjacent (order the workers with :func:`contiguous_order` first).
     """
     if transport == "mpi":
-        common = {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi",
-                  "HOROVOD_SIZE": str(len(hosts_by_rank))}
+        common = {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi"}
         if timeout_s is not None:
             common["AIAK_COLLECTIVE_TIMEOUT_SECONDS"] = str(int(max(1, timeout_s)))
     else:
@@ -88,24 +65,16 @@ def rank_envs(hosts_by_rank: Sequence[str], addr: str, port: int, prefix: str = 
             "HOROVOD_CPU_OPERATIONS": "gloo",
             "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
             "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-            "HOROVOD_SIZE": str(len(hosts_by_rank)),
         }
         if prefix:
             common["AIAK_GLOO_STORE_PREFIX"] = prefix
         if timeout_s is not None:
             common["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(max(1, timeout_s)))
     common.update(nic_env(nics, gloo=transport != "mpi"))
-    envs = []
-    for rank, (host, topo) in enumerate(zip(hosts_by_rank, topology(hosts_by_rank))):
-        env = dict(common)
-        env.update(HOROVOD_RANK=str(rank), HOROVOD_HOSTNAME=host,
-                   HOROVOD_LOCAL_RANK=str(topo["local_rank"]),
-                   HOROVOD_LOCAL_SIZE=str(topo["local_size"]),
-                   HOROVOD_CROSS_RANK=str(topo["cross_rank"]),
-                   HOROVOD_CROSS_SIZE=str(topo["cross_size"]))
-        env.update({k: str(v) for k, v in (extra or {}).items()})
-        envs.append(env)
-    return envs
+    if contiguous_order(hosts_by_rank) != list(range(len(hosts_by_rank))):
+        raise ValueError(f"ranks of one host are not contiguous: {list(hosts_by_rank)}")
+    user = {k: str(v) for k, v in (extra or {}).items()}
+    return [{**common, **r.horovod_env(), **user} for r in place_ranks(hosts_by_rank)]
 
 
 def pickled(obj: Any, what: str, name: Optional[str] = None) -> bytes:

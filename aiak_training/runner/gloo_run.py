@@ -76,22 +76,6 @@ def rendezvous_address(hosts: Sequence[HostSlots], iface: Optional[str]) -> str:
     return addr
 
 
-def rank_identities(hosts: Sequence[HostSlots]) -> List[Dict[str, str]]:
-    """Horovod's identity variables of every rank; ranks fill the hosts in order."""
-    out: List[Dict[str, str]] = []
-    size = sum(h.slots for h in hosts)
-    for node, host in enumerate(hosts):
-        for local in range(host.slots):
-            cross = [n for n, other in enumerate(hosts) if other.slots > local]
-            out.append({"HOROVOD_RANK": str(len(out)), "HOROVOD_SIZE": str(size),
-                        "HOROVOD_LOCAL_RANK": str(local),
-                        "HOROVOD_LOCAL_SIZE": str(host.slots),
-                        "HOROVOD_CROSS_RANK": str(cross.index(node)),
-                        "HOROVOD_CROSS_SIZE": str(len(cross)),
-                        "HOROVOD_HOSTNAME": host.name})
-    return out
-
-
 def plan_job(args: argparse.Namespace, environ: Mapping[str, str], run_dir: str,
              stdin: Optional[IO[bytes]] = None) -> Tuple[Dict, Dict[str, str]]:
     """The Gloo launcher's plan (JSON-able) and aiakrun's environment for it (``stdin``:
@@ -106,8 +90,8 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str], run_dir: str,
     cluster_exec = environ.get(CLUSTER_LAUNCHER_ENV) or None
     if virtual:
         cluster_exec = None
-    hosts = used_hosts(assign_slots(resolve_hosts(args, environ, bool(cluster_exec)),
-                                    args.num_proc))
+    placement = assign_slots(resolve_hosts(args, environ, bool(cluster_exec)), args.num_proc)
+    hosts = used_hosts(placement)
     set_vars = rank_vars(args, environ, virtual)
     nics = network_interfaces(args)
     iface = nics[0] if nics else (environ.get(CLUSTER_IFACE_ENV) if cluster_exec else None)
@@ -131,12 +115,8 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str], run_dir: str,
             remote_exec += ["-p", str(args.ssh_port)]
         if args.ssh_identity_file:
             remote_exec += ["-i", args.ssh_identity_file]
-    identities = rank_identities(hosts)
-    ranks = []
-    for ident in identities:
-        host = ident["HOROVOD_HOSTNAME"]
-        local = virtual or is_local_host(host)
-        ranks.append({"host": host, "local": local, "env": ident})
+    ranks = [{"host": r.hostname, "local": virtual or is_local_host(r.hostname),
+              "env": r.horovod_env()} for r in placement]
     plan = {"ranks": ranks, "command": rank_command(args.command),
             "rendezvous_addr": "127.0.0.1" if virtual else rendezvous_address(hosts, iface),
             "remote_exec": remote_exec, "cwd": os.getcwd(), "verbose": bool(args.verbose)}

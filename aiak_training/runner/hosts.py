@@ -6,6 +6,8 @@ import socket
 from dataclasses import dataclass
 from typing import List, Sequence
 
+from aiak_training.common.ranks import RankIdentity, place_ranks
+
 # horovodrun's check for one ``-H`` entry (runner/launch.py); kept identical so that a host
 # string horovodrun rejects is rejected here too.
 HOST_ENTRY_RE = re.compile(r"^[\w.-]+:[0-9]+$")
@@ -22,18 +24,6 @@ class HostSlots:
 
     def __str__(self) -> str:
         return f"{self.name}:{self.slots}"
-
-
-@dataclass(frozen=True)
-class SlotInfo:
-    """Where one rank runs, with Horovod's local/cross numbering."""
-
-    rank: int
-    hostname: str
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
 
 
 def parse_hosts(spec: str) -> List[HostSlots]:
@@ -101,7 +91,7 @@ def total_slots(hosts: Sequence[HostSlots]) -> int:
     return sum(h.slots for h in hosts)
 
 
-def assign_slots(hosts: Sequence[HostSlots], num_proc: int) -> List[SlotInfo]:
+def assign_slots(hosts: Sequence[HostSlots], num_proc: int) -> List[RankIdentity]:
     """Place ``num_proc`` ranks, filling hosts in the order given (Horovod's rule).
 
     Rank r goes to the first host that still has a free slot, so ``-H a:2,b:2 -np 3`` gives
@@ -115,33 +105,13 @@ def assign_slots(hosts: Sequence[HostSlots], num_proc: int) -> List[SlotInfo]:
         listing = ",".join(str(h) for h in hosts)
         raise ValueError(f"-np {num_proc} needs more slots than the {available} given "
                          f"by the host list {listing}")
-    placed: List[tuple] = []  # (rank, host, local_rank)
-    rank = 0
-    for host in hosts:
-        for local_rank in range(host.slots):
-            if rank == num_proc:
-                break
-            placed.append((rank, host.name, local_rank))
-            rank += 1
-    local_size = {}
-    for _, name, _ in placed:
-        local_size[name] = local_size.get(name, 0) + 1
-    # cross_rank: index of this host among the hosts that have a rank with this local_rank.
-    hosts_with_local: dict = {}
-    for _, name, local_rank in placed:
-        hosts_with_local.setdefault(local_rank, []).append(name)
-    return [SlotInfo(rank=r, hostname=name, local_rank=lr, local_size=local_size[name],
-                     cross_rank=hosts_with_local[lr].index(name),
-                     cross_size=len(hosts_with_local[lr]))
-            for r, name, lr in placed]
+    slots = [h.name for h in hosts for _ in range(h.slots)]
+    return place_ranks(slots[:num_proc])
 
 
-def used_hosts(slots: Sequence[SlotInfo]) -> List[HostSlots]:
+def used_hosts(placement: Sequence[RankIdentity]) -> List[HostSlots]:
     """The hosts that actually receive ranks, with the number of ranks each gets, in order."""
-    counts: dict = {}
-    for s in slots:
-        counts[s.hostname] = counts.get(s.hostname, 0) + 1
-    return [HostSlots(name, n) for name, n in counts.items()]
+    return [HostSlots(r.hostname, r.local_size) for r in placement if r.local_rank == 0]
 
 
 def is_local_host(name: str) -> bool:

@@ -86,11 +86,26 @@ class Controller:
         self._table: Dict[str, Dict[int, Request]] = {}
         self._joined_ranks: Set[int] = set()
         self._last_joined = -1
+        self._cache_switch: Optional[bool] = None  # autotune's request, taken next cycle
+
+    def request_cache(self, on: bool) -> None:
+        """Switch the response cache on or off from the next negotiation (called by autotune
+        on the training thread at a step boundary, before it submits the step's first
+        tensor: that tensor and every later one are classified under the new state)."""
+        self._cache_switch = on
 
     # ---------------------------------------------------------------------------------------
     def negotiate(self, new_requests: List[Request], want_shutdown: bool,
                   shutdown_reason: str = "") -> NegotiationResult:
         now = time.monotonic()
+        switch, self._cache_switch = self._cache_switch, None
+        if switch is not None:
+            # At a step boundary nothing of the set is pending; the cache is emptied when
+            # it goes off, so a leftover hit would point at nothing: negotiate it instead.
+            if not switch:
+                self._to_send.extend(self._cached_pending.pop(b)
+                                     for b in sorted(self._cached_pending))
+            self.cache.set_active(switch)
         invalid_bits: List[int] = []
         for req in new_requests:
             self._submitted_at[req.name] = now

@@ -10,7 +10,9 @@ from typing import Callable, List
 import numpy as np
 from mpi4py import MPI
 
+from aiak_training.allreduce._util import allgather_counts
 from aiak_training.allreduce.adasum import adasum_allreduce
+from aiak_training.allreduce.hier_scatter import hier_scatter, hierarchical_applies
 from aiak_training.common import native
 from aiak_training.common.config import Config
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp, mpi_datatype, mpi_op
@@ -218,15 +220,23 @@ class Executor:
                 OpType.ALLTOALL: self._alltoall,
                 OpType.REDUCESCATTER: self._reducescatter}[resp.op_type](state, resp, e)
 
+    def _hier(self, state: SetState):
+        """The set's two-level reduce-scatter/allgather, or None where they run flat."""
+        if hierarchical_applies(self.config, state.topology, state.id == 0):
+            return hier_scatter(state.topology)
+        return None
+
     def _allgather(self, state: SetState, resp: Response, e: TensorEntry):
         dtype = DataType(resp.dtype)
-        counts, displs, out_shape = allgather_layout(resp)
+        counts, _, out_shape = allgather_layout(resp)
         out = e.allocate(out_shape)
         self.completer.activity(resp, "MPI_ALLGATHER")
         if sum(counts):
-            nbytes = sum(counts) * ITEMSIZE[dtype]
-            recv = [MPI.buffer.fromaddress(out, nbytes), (counts, displs), mpi_datatype(dtype)]
-            state.comm.Allgatherv(_buf(e.in_addr, counts[state.rank], dtype), recv)
+            hier = self._hier(state)
+            if hier is not None:
+                hier.allgather(e.in_addr, out, counts, dtype)
+            else:
+                allgather_counts(state.comm, e.in_addr, out, counts, dtype)
         self.completer.activity(resp, None)
         return out_shape
 
@@ -259,16 +269,22 @@ class Executor:
         dtype, op = DataType(resp.dtype), ReduceOp(resp.reduce_op)
         counts, out_shape = reducescatter_layout(resp, state.rank, state.size)
         out = e.allocate(out_shape)
+        post = average_postscale(resp, state.size)
+        self.completer.activity(resp, "MPI_REDUCESCATTER")
+        hier = self._hier(state) if e.count else None
+        if hier is not None:
+            hier.reducescatter(e.in_addr, out, counts, dtype, op, resp.prescale, post)
+            self.completer.activity(resp, None)
+            return out_shape
         src = e.in_addr
         if resp.prescale != 1.0 and e.count:
+            # One pass: the input is the caller's and stays unscaled.
             src = self._fusion_buffer(e.nbytes)
-            native.copy_batch([src], [e.in_addr], [e.nbytes])
-            native.scale(src, e.count, int(dtype), resp.prescale)
-        self.completer.activity(resp, "MPI_REDUCESCATTER")
+            native.copy_scaled_batch([src], [e.in_addr], [e.count], int(dtype), resp.prescale)
         if e.count:
             state.comm.Reduce_scatter(_buf(src, e.count, dtype),
                                       _buf(out, counts[state.rank], dtype),
                                       recvcounts=counts, op=mpi_op(dtype, op))
         self.completer.activity(resp, None)
-        native.scale(out, counts[state.rank], int(dtype), average_postscale(resp, state.size))
+        native.scale(out, counts[state.rank], int(dtype), post)
         return out_shape

@@ -1,9 +1,11 @@
 """The engine with its background loop in C++ (csrc/engine/): the default engine.
 
 The native thread owns the queues, negotiation (bit vectors, response cache, coordinator),
-fusion and the MPI calls of host allreduce and broadcast, and completes handles; it never
-takes the GIL for them, so a busy training thread cannot slow a reduction down, and a tensor
-costs the Python frontend only its submit and wait.
+fusion and the transport calls of host allreduce and broadcast, and completes handles.  Over
+MPI it never takes the GIL for them, so a busy training thread cannot slow a reduction down,
+and a tensor costs the Python frontend only its submit and wait.  Over Gloo each transport
+call is a call into :class:`~aiak_training.runtime.transport.gloo_calls.GlooCalls`, with the
+GIL held for that call only.
 
 What needs Python runs in the *lane*: the native thread calls :meth:`NativeEngine._lane`
 with the GIL, in the negotiated order, for GPU collectives, allgather, alltoall and
@@ -15,7 +17,7 @@ is a subclass: process sets, topology, watchdog and lifecycle are shared.
 ``AIAK_ENGINE=python`` selects the Python engine instead (kept for one release).
 """
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from mpi4py import MPI
 
@@ -28,6 +30,10 @@ from aiak_training.common.messages import OpType, Request, Response
 from aiak_training.runtime.completion import Completer
 from aiak_training.runtime.engine import Engine
 from aiak_training.runtime.entries import Handle, SetState, TensorEntry, unknown_handle
+from aiak_training.runtime.transport import transport_name
+
+if TYPE_CHECKING:
+    from aiak_training.runtime.transport.gloo_calls import GlooCalls
 
 log = logging.getLogger("aiak_training")
 
@@ -42,7 +48,7 @@ def _handle(obj) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _mpi_config(config) -> dict:
+def _mpi_handles() -> dict:
     """Handles of the MPI objects the native engine uses, from mpi4py (see csrc/engine/mpi.h)."""
     handle = _handle
     ops = {"SUM": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX, "PROD": MPI.PROD, "LOR": MPI.LOR,
@@ -51,10 +57,20 @@ def _mpi_config(config) -> dict:
     out.update(
         handle_bytes=MPI._sizeof(MPI.COMM_WORLD), in_place=int(MPI.IN_PLACE),
         UINT64_T=handle(MPI.UINT64_T), INT32_T=handle(MPI.INT32_T), INT64_T=handle(MPI.INT64_T),
-        BYTE=handle(MPI.BYTE), dtypes=[handle(mpi_datatype(DataType(code))) for code in range(11)],
+        BYTE=handle(MPI.BYTE), dtypes=[handle(mpi_datatype(DataType(code))) for code in range(11)])
+    return out
+
+
+def _core_config(config, gloo: Optional["GlooCalls"]) -> dict:
+    """The native engine's settings, with the handles of its transport's objects."""
+    out = _mpi_handles() if gloo is None else gloo.config()
+    out.update(
         cycle_time_s=config.cycle_time_ms / 1000.0, cache_capacity=config.cache_capacity,
         stall_check_s=0.0 if config.stall_check_disable else config.stall_check_time_s,
         stall_shutdown_s=config.stall_shutdown_time_s,
+        # The idle park saves Gloo jobs the CPU of idle negotiations (each one a Python call
+        # and a Gloo round trip); MPI jobs keep their steady cycle.
+        idle_park_s=0.0 if gloo is None else config.idle_park_ms / 1000.0,
         shut_down=hs.SHUT_DOWN, duplicate_name=hs.DUPLICATE_NAME)
     return out
 
@@ -95,7 +111,13 @@ class NativeEngine(Engine):
 
     def __init__(self, comm: MPI.Comm, config, static_process_sets: Sequence[Sequence[int]] = ()):
         super().__init__(comm, config, static_process_sets)
-        self.core = native.EngineCore(_mpi_config(config), self._lane)
+        # Gloo jobs: the C++ thread's collectives call torch's Gloo groups through Python.
+        self._gloo: Optional["GlooCalls"] = None
+        if transport_name(comm) == "gloo":
+            from aiak_training.runtime.transport.gloo_calls import GlooCalls
+            self._gloo = GlooCalls()
+        self._comm_handles: Dict[int, int] = {}  # set id -> the core's handle of its comm
+        self.core = native.EngineCore(_core_config(config, self._gloo), self._lane, self._gloo)
         self.core.fusion_threshold = config.fusion_threshold
         self.core.zero_copy_bytes = config.zero_copy_bytes
         self.results: Dict[int, object] = {}   # handle -> result of a lane-executed op
@@ -168,7 +190,9 @@ class NativeEngine(Engine):
         super()._register_set(set_id, ranks, comm)
         state = self._sets[set_id]
         flat = state.algorithm is flat_allreduce
-        self.core.add_set(set_id, _handle(comm), state.rank, state.size, flat)
+        handle = _handle(comm) if self._gloo is None else self._gloo.register(comm)
+        self._comm_handles[set_id] = handle
+        self.core.add_set(set_id, handle, state.rank, state.size, flat)
         if flat:
             self._flat_sets.add(set_id)
 
@@ -187,6 +211,9 @@ class NativeEngine(Engine):
         removed = super()._remove_set(set_id)
         if removed:
             self.core.remove_set(set_id, f"Process set {set_id} was removed.")
+            handle = self._comm_handles.pop(set_id, None)
+            if self._gloo is not None and handle is not None:
+                self._gloo.forget(handle)
         return removed
 
     # ---- submission and completion -------------------------------------------------------

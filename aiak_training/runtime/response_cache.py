@@ -22,10 +22,19 @@ class ResponseCache:
         self._slots: List[Optional[Tuple[Response, Optional[tuple]]]] = [None] * capacity
         self._bit_of: Dict[str, int] = {}
         self._lru: "OrderedDict[int, None]" = OrderedDict()  # least recently used first
+        self.active = True  # autotune's on/off knob; the capacity (bit vector size) stays
 
     @property
     def enabled(self) -> bool:
-        return self.capacity > 0
+        return self.capacity > 0 and self.active
+
+    def set_active(self, on: bool) -> None:
+        """Turn the cache on or off.  Off empties it, so that when it comes back on every
+        rank starts from the same (empty) cache."""
+        if not on:
+            for bit in list(self._lru):
+                self.evict(bit)
+        self.active = on
 
     def __len__(self) -> int:
         """How many responses the cache holds now (at most ``capacity``)."""

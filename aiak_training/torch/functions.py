@@ -6,6 +6,7 @@ differ in length, so no rank has to learn a byte count in a separate step first.
 """
 import functools
 import io
+import sys
 from collections import Counter
 from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
 
@@ -40,6 +41,9 @@ def broadcast_parameters(params, root_rank: int) -> None:
 
     All broadcasts are started before the first is waited for.
     """
+    sharded = sys.modules.get("aiak_training.torch.sharded")
+    if sharded is not None:  # a sharded optimizer's allgather in flight would overwrite them
+        sharded.wait_for_all_parameters()
     handles = [broadcast_async_(value, root_rank, name)
                for name, value in _as_named(params) if torch.is_tensor(value)]
     for handle in handles:

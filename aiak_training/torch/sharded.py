@@ -10,16 +10,26 @@ gradients reduce-scattered as in stage 2):
 * when every gradient of a bucket is ready in backward (after ``backward_passes_per_step``
   passes), they are copied into one flat buffer, the full gradients are freed
   (``p.grad = None``) and the buffer is reduce-scattered by the engine (``op`` Average or Sum,
-  with ``gradient_predivide_factor``): each rank receives the reduced gradient of its shard;
+  with ``gradient_predivide_factor``) straight into the shard's gradient buffer.  At most
+  ``REDUCES_IN_FLIGHT`` run at once, so only that many flat copies exist; they are reused;
 * ``step()`` runs the wrapped optimizer on the shard only: each param group's ``params`` is
   replaced, for the call, by *pieces*, views of this rank's shard buffer, one per parameter
   (part) it holds, with views of the reduced shard gradient as ``.grad``.  The optimizer's
   state is keyed by the pieces, so it exists for the shard only;
-* each bucket's updated shard is then allgathered and copied back into the parameters.
+* each bucket's updated shard is then allgathered and copied back into the parameters, at
+  most ``GATHERS_IN_FLIGHT`` buckets at once, into reused buffers (``sharded_io.py``: nothing
+  comes from the output pool, so the memory the strategy frees is not kept for reuse).
 
 Only optimizers that update every element from that element's gradient and state are
 accepted (the ``torch.optim`` classes listed in ``overlap.py`` and FusedSGD/FusedAdam/
-FusedAdamW); a step on pieces is then the same arithmetic as on whole parameters.
+FusedAdamW); a step on pieces is then the same arithmetic as on whole parameters.  FusedLAMB
+also needs whole-tensor norms (the global gradient norm, each parameter's trust ratio): its
+step on pieces is ``sharded_lamb.py``, which sums the pieces' partial sums of squares over
+the ranks in one small allreduce.
+
+With :meth:`ShardedStrategy.overlap_allgather` the allgathers started by ``step()`` are waited
+for by forward pre-hooks of the modules owning the parameters, so they overlap the next
+forward pass; everything else that reads or writes the parameters waits first.
 
 Checkpoints: ``state_dict()`` never communicates.  It returns the full state gathered by the
 last ``consolidate_state_dict()`` (a collective: every rank calls it) and raises otherwise,
@@ -30,8 +40,11 @@ keeps this rank's slices.
 from __future__ import annotations
 
 import collections
+import logging
+import time
+import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -39,12 +52,30 @@ from aiak_training.common import horovod_strings as hs
 from aiak_training.common.env import env_bytes
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.torch import overlap as _overlap
-from aiak_training.torch.mpi_ops import (Average, Sum, allgather_async, rank,
-                                         reducescatter_async, size, synchronize)
+from aiak_training.torch.mpi_ops import (Average, Sum, allgather_async, allreduce, poll, rank,
+                                         size, synchronize)
+from aiak_training.torch.sharded_io import BufferCache, allgather_into, reducescatter_into
 from aiak_training.torch.wrapper import DistributedWrapper, NamedParameters
+
+log = logging.getLogger("aiak_training")
 
 BUCKET_ENV_VAR = "AIAK_SHARD_BUCKET_BYTES"
 DEFAULT_BUCKET_BYTES = 16 << 20
+# Allgathers of updated buckets in flight at once: each holds a gathered bucket (up to the
+# bucket size), so this bounds that memory, while two keep the next one's transfer going
+# during the copy of the last one into the parameters.
+GATHERS_IN_FLIGHT = 2
+# Reduce-scatters in flight at once in backward: each holds a flat copy of a bucket's
+# gradients (up to the bucket size).  Without a bound, backward outruns the engine and holds
+# nearly every bucket's copy, as much memory as the dense gradients.
+REDUCES_IN_FLIGHT = 2
+# How long backward waits for the oldest reduce-scatter before it stops bounding them (for
+# good, on this optimizer): ranks whose buckets become ready in different orders (a parameter
+# unused on some ranks only) could otherwise each wait for one the other has not started.
+REDUCE_WAIT_S = 5.0
+# In _handles: a bucket whose reduce-scatter finished in backward (its result is in
+# bucket.grad already).
+_REDUCED = object()
 
 CONSOLIDATE_FIRST = (
     "state_dict() of an optimizer with shard_optimizer_state=True: each rank holds only its "
@@ -57,6 +88,31 @@ def _elementwise_classes() -> Tuple[type, ...]:
     """Optimizer classes whose step updates each element from its own gradient and state."""
     from aiak_training.fused_optim import FusedAdam, FusedAdamW, FusedSGD
     return _overlap._torch_safe_classes() + (FusedSGD, FusedAdam, FusedAdamW)
+
+
+def _norm_hooked_classes() -> Tuple[type, ...]:
+    """Optimizer classes that need whole-tensor norms, stepped by ``sharded_lamb.py``."""
+    from aiak_training.fused_optim import FusedLAMB
+    return (FusedLAMB,)
+
+
+# Sharded optimizers whose step() may have left allgathers in flight (overlap_allgather).
+_OVERLAPPED: "weakref.WeakSet[ShardedStrategy]" = weakref.WeakSet()
+
+
+def wait_for_all_parameters() -> None:
+    """Finish every sharded optimizer's allgathers still in flight: for code that reads
+    parameters outside the model's hooks (``hvd.broadcast_parameters``)."""
+    for optimizer in list(_OVERLAPPED):
+        optimizer.wait_for_parameters()
+
+
+STALE_READ = (
+    "shard_optimizer_state=True: parameter {} got a gradient while its updated value from the "
+    "last step() was still being allgathered, so the forward pass read its old value. With "
+    "overlap_allgather(model), a module's forward waits only for the parameters it owns; a "
+    "forward that uses another module's parameters must call optimizer.wait_for_parameters() "
+    "first.")
 
 
 def _per_element(key: str, value: Any, p: torch.Tensor) -> bool:
@@ -101,12 +157,16 @@ class _Bucket:
             for p, a, b, piece in self.pieces:
                 piece.copy_(p.detach().reshape(-1)[a:b])
 
-    def flat_gradient(self) -> torch.Tensor:
-        """The bucket's gradients in one padded buffer (zeros where a gradient is missing)."""
-        flat = torch.zeros(self.padded, dtype=self.weights.dtype, device=self.weights.device)
+    def flat_gradient(self, flat: torch.Tensor) -> torch.Tensor:
+        """The bucket's gradients copied into the padded buffer ``flat`` (zeros where a
+        gradient is missing)."""
         for p, off in zip(self.params, self.offsets):
+            part = flat[off:off + p.numel()]
             if p.grad is not None:
-                flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                part.copy_(p.grad.reshape(-1))
+            else:
+                part.zero_()
+        flat[self.offsets[-1] + self.params[-1].numel():].zero_()
         return flat
 
     def scatter_back(self, full: torch.Tensor) -> None:
@@ -127,13 +187,13 @@ class ShardedStrategy(DistributedWrapper):
         super().__init__(params, named_parameters, backward_passes_per_step, op, process_set)
         base = type(self)._aiak_wrapped_class
         # The exact classes: a subclass may change step().
-        if base not in _elementwise_classes():
+        if base not in _elementwise_classes() + _norm_hooked_classes():
             raise ValueError(
                 f"shard_optimizer_state=True: {base.__name__} is not an optimizer known to "
                 "update each element independently, so stepping it on a shard of the "
                 "parameters could change its result. Supported: torch.optim SGD, Adam, AdamW "
                 "(and the other elementwise torch.optim classes), FusedSGD, FusedAdam, "
-                "FusedAdamW.")
+                "FusedAdamW, FusedLAMB.")
         if op not in (Average, Sum):
             raise ValueError("shard_optimizer_state=True supports op=Average and op=Sum only.")
         if process_set.process_set_id != global_process_set.process_set_id:
@@ -146,6 +206,29 @@ class ShardedStrategy(DistributedWrapper):
         for p in self._bucket_of:
             self._requires_update.add(p)
             self._grad_accs.append(self._attach_hook(p))
+        # FusedLAMB: each piece's row in the table of per-parameter norms (sharded_lamb.py).
+        self._lamb_rows: Optional[Dict[torch.Tensor, int]] = None
+        if base in _norm_hooked_classes():
+            row = {p: i for i, p in enumerate(self._bucket_of)}  # bucket order, on every rank
+            self._lamb_rows = {piece: row[p] for b in self._buckets for p, _, _, piece in b.pieces}
+        # Allgathers started by step() and not yet written into the parameters (handle,
+        # buffer), those not started yet (in _gather_order), and the module hooks that wait
+        # for them (overlap_allgather).
+        self._gathers: Dict[_Bucket, Tuple[Any, torch.Tensor]] = {}
+        self._unstarted: List[_Bucket] = []
+        self._gather_order: List[_Bucket] = list(self._buckets)
+        self._model_hooks: List[Any] = []
+        # Reduce-scatter inputs and gather outputs, reused from step to step (sharded_io.py).
+        # Kept between steps: enough for the reduce-scatters in flight plus the one starting,
+        # which the allgathers then reuse.
+        self._buffers = BufferCache(REDUCES_IN_FLIGHT + 1)
+        # Every buffer is as large as the largest bucket of its dtype and device, so that
+        # any of them serves any bucket.
+        self._buffer_numel: Dict[Tuple[torch.dtype, torch.device], int] = {}
+        for b in self._buckets:
+            kind = (b.weights.dtype, b.weights.device)
+            self._buffer_numel[kind] = max(self._buffer_numel.get(kind, 0), b.padded)
+        self._bound_reduces = True  # False after a wait for the oldest one timed out
 
     def _make_buckets(self, limit: int) -> List[_Bucket]:
         buckets: List[_Bucket] = []
@@ -172,6 +255,10 @@ class ShardedStrategy(DistributedWrapper):
 
     # ---- backward: reduce-scatter each bucket once all its gradients are in -----------------
     def _gradient_ready(self, p: torch.Tensor) -> None:
+        bucket = self._bucket_of[p]
+        if bucket in self._gathers or bucket in self._unstarted:
+            self.wait_for_parameters()  # leave the model consistent before failing
+            raise RuntimeError(STALE_READ.format(self._parameter_names.get(p)))
         if self._allreduce_delay[p] <= 0:
             raise AssertionError(hs.TOO_MANY_BACKWARD_PASSES)
         if p.grad is not None and p.grad.is_sparse:
@@ -179,7 +266,6 @@ class ShardedStrategy(DistributedWrapper):
                              f"{self._parameter_names.get(p)} is sparse (e.g. "
                              "Embedding(sparse=True)); sharding needs dense gradients.")
         self._allreduce_delay[p] -= 1
-        bucket = self._bucket_of[p]
         self._handles.setdefault(bucket, (None, None))
         if self._allreduce_delay[p] == 0:
             bucket.ready += 1
@@ -187,30 +273,78 @@ class ShardedStrategy(DistributedWrapper):
                 self._start(bucket)
 
     def _start(self, bucket: _Bucket) -> None:
-        flat = bucket.flat_gradient()
-        bucket.missing = {p for p in bucket.params if p.grad is None}
         for p in bucket.params:
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError(f"shard_optimizer_state=True: the gradient of "
                                  f"{self._parameter_names.get(p)} is sparse.")
+        buf = self._take_buffer(bucket)
+        flat = bucket.flat_gradient(buf[:bucket.padded])
+        bucket.missing = {p for p in bucket.params if p.grad is None}
+        for p in bucket.params:
             p.grad = None  # reduced from here on: the full gradient is not kept
         pre, post = self._scale_factors()
-        handle = reducescatter_async(flat, name=bucket.name, op=self.op, prescale_factor=pre,
-                                     postscale_factor=post, process_set=self.process_set)
-        self._handles[bucket] = (handle, None)
+        # The result goes straight into the shard's gradient buffer: nothing is pooled.
+        handle = reducescatter_into(flat, bucket.grad, bucket.name, self.op, pre, post,
+                                    self.process_set)
+        self._handles[bucket] = (handle, buf)
         bucket.ready = 0
+        self._reap()
+        if self._bound_reduces:
+            self._bound_in_flight()
+
+    def _bound_in_flight(self) -> None:
+        """Wait for the oldest reduce-scatters until at most REDUCES_IN_FLIGHT run, so that
+        their input buffers are reused rather than one allocated per bucket."""
+        running = [(b, h, f) for b, (h, f) in self._handles.items()
+                   if h is not None and h is not _REDUCED]
+        for bucket, handle, flat in running[:max(0, len(running) - REDUCES_IN_FLIGHT)]:
+            deadline, pause = time.monotonic() + REDUCE_WAIT_S, 1e-4
+            while not poll(handle):
+                if time.monotonic() > deadline:
+                    self._bound_reduces = False
+                    log.warning("sharded optimizer: the reduce-scatter of %s did not finish "
+                                "within %.0f s of a later bucket's; reduce-scatters are no "
+                                "longer bounded to %d in flight, so backward may hold more "
+                                "gradient copies (ranks whose buckets become ready in "
+                                "different orders cause this)", bucket.name, REDUCE_WAIT_S,
+                                REDUCES_IN_FLIGHT)
+                    return
+                time.sleep(pause)
+                pause = min(2 * pause, 5e-3)
+            self._finish_reduce(bucket, handle, flat)
+
+    def _take_buffer(self, bucket: _Bucket) -> torch.Tensor:
+        """A reused flat buffer that holds at least ``bucket.padded`` elements."""
+        w = bucket.weights
+        return self._buffers.take(self._buffer_numel[(w.dtype, w.device)], w)
+
+    def _reap(self) -> None:
+        """Give back the input buffers of the reduce-scatters that have finished, so that
+        backward reuses them for the next buckets instead of holding one per bucket until
+        ``synchronize()``.  Only polls: waiting here could deadlock ranks whose buckets
+        become ready in different orders."""
+        for bucket, (handle, flat) in list(self._handles.items()):
+            if handle is not None and handle is not _REDUCED and poll(handle):
+                self._finish_reduce(bucket, handle, flat)
+
+    def _finish_reduce(self, bucket: _Bucket, handle: Any, buf: torch.Tensor) -> None:
+        synchronize(handle)  # wrote bucket.grad
+        self._buffers.give(buf)
+        self._handles[bucket] = (_REDUCED, None)  # still pending for zero_grad's check
 
     def synchronize(self) -> None:
         """Finish every bucket's reduce-scatter (starting those backward did not), leaving
         this rank's shard of the reduced gradient for ``step()``.  The model's ``p.grad`` are
         None afterwards: use :meth:`clip_grad_norm_` to clip."""
+        self.wait_for_parameters()
         for bucket in self._buckets:  # the same order on every rank
             handle, _ = self._handles.get(bucket, (None, None))
             if handle is None:
                 self._start(bucket)
         for bucket in self._buckets:
-            handle, _ = self._handles.pop(bucket)
-            bucket.grad.copy_(synchronize(handle))
+            handle, flat = self._handles.pop(bucket)
+            if handle is not _REDUCED:
+                self._finish_reduce(bucket, handle, flat)
             for p in bucket.params:
                 self._rearm(p)
         self._handles.clear()
@@ -221,7 +355,6 @@ class ShardedStrategy(DistributedWrapper):
         :meth:`skip_synchronize`) by their global norm over all shards, as
         ``torch.nn.utils.clip_grad_norm_`` would on the full averaged gradients.  A collective;
         returns the total norm."""
-        from aiak_training.torch.mpi_ops import allreduce
         if norm_type != 2.0:
             raise ValueError("clip_grad_norm_ of a sharded optimizer supports norm_type=2 only.")
         local = torch.zeros((), dtype=torch.float64)
@@ -257,6 +390,7 @@ class ShardedStrategy(DistributedWrapper):
 
     def step(self, closure=None):
         loss = None
+        self.wait_for_parameters()
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -264,13 +398,93 @@ class ShardedStrategy(DistributedWrapper):
         for b in self._buckets:
             b.load_pieces()
         with self._on_shard():
-            self._wrapped_step()
-        handles = [allgather_async(b.weights, name=f"{b.name}.gather",
-                                   process_set=self.process_set) for b in self._buckets]
-        for b, h in zip(self._buckets, handles):
-            b.scatter_back(synchronize(h))
+            if self._lamb_rows is None:
+                self._wrapped_step()
+            else:
+                from aiak_training.torch.sharded_lamb import step_on_pieces
+                step_on_pieces(self, self._lamb_rows, len(self._bucket_of), "sharded.lamb")
+        self._unstarted = list(self._gather_order)
+        self._start_gathers()
         self._consolidated = None
+        if not self._model_hooks:
+            self.wait_for_parameters()
         return loss
+
+    # ---- the allgather overlapping the next forward pass ------------------------------------
+    def _start_gathers(self) -> None:
+        """Start the next allgathers of ``_gather_order`` until GATHERS_IN_FLIGHT run."""
+        while self._unstarted and len(self._gathers) < GATHERS_IN_FLIGHT:
+            b = self._unstarted.pop(0)
+            buf = self._take_buffer(b)
+            self._gathers[b] = (allgather_into(b.weights, buf, f"{b.name}.gather",
+                                               self.process_set), buf)
+
+    def _wait(self, buckets: Iterable[_Bucket]) -> None:
+        """Write the allgathered values of ``buckets`` not yet written into the parameters.
+
+        Every rank starts the allgathers in the same order (``_gather_order``) and waits only
+        for ones it started, oldest first, so a rank never waits for one another rank has not
+        started: no deadlock, whatever order the forward pass asks in."""
+        for b in buckets:
+            while b in self._gathers or b in self._unstarted:
+                oldest = next(iter(self._gathers))
+                handle, buf = self._gathers.pop(oldest)
+                oldest.scatter_back(synchronize(handle))
+                self._buffers.give(buf)
+                self._start_gathers()
+
+    def _pending_gathers(self) -> List[_Bucket]:
+        """Buckets whose updated values are not in the parameters yet (started or not)."""
+        return list(self._gathers) + self._unstarted
+
+    def wait_for_parameters(self) -> None:
+        """Wait until the parameters hold the values of the last ``step()``.  Every method of
+        this optimizer that reads or writes them calls it; call it before reading parameters
+        outside a forward pass of the model given to :meth:`overlap_allgather` (not needed
+        for ``model.state_dict()``/``load_state_dict()``, which wait by themselves)."""
+        self._wait(self._pending_gathers())
+
+    def overlap_allgather(self, model: Optional[torch.nn.Module]) -> None:
+        """Let the allgather of the updated parameters overlap the next forward pass of
+        ``model`` (None: turn that off, and wait in ``step()`` again).
+
+        ``step()`` then returns once the allgathers have started; each module of ``model``
+        that owns parameters of this optimizer waits, in a forward pre-hook, for the buckets
+        holding them, and so do its ``state_dict()`` and ``load_state_dict()``.  A forward
+        that uses parameters of a module other than its own raises ``RuntimeError`` in
+        backward unless :meth:`wait_for_parameters` ran first."""
+        self.wait_for_parameters()
+        for hook in self._model_hooks:
+            hook.remove()
+        self._model_hooks = []
+        _OVERLAPPED.discard(self)
+        self._gather_order = list(self._buckets)
+        if model is None:
+            return
+        order: List[_Bucket] = []  # buckets in the order the model's modules come
+        for module in model.modules():
+            owned = {self._bucket_of[p] for p in module.parameters(recurse=False)
+                     if p in self._bucket_of}
+            if not owned:
+                continue
+            mine = [b for b in self._buckets if b in owned]  # a fixed order
+            order += [b for b in mine if b not in order]
+            wait = lambda *_args, _mine=mine, **_kwargs: self._wait(_mine)  # noqa: E731
+            self._model_hooks += [module.register_forward_pre_hook(wait),
+                                  module.register_state_dict_pre_hook(wait),
+                                  module.register_load_state_dict_pre_hook(wait)]
+        if not self._model_hooks:
+            raise ValueError("overlap_allgather: the model owns none of this optimizer's "
+                             "trainable parameters.")
+        # Gather in the order the forward pass is likely to use them (module registration
+        # order), so that the few allgathers in flight are the ones needed next.  The order
+        # is a function of the model only: the same on every rank.
+        self._gather_order = order + [b for b in self._buckets if b not in order]
+        _OVERLAPPED.add(self)
+
+    def zero_grad(self, *args, **kwargs):
+        self.wait_for_parameters()
+        return super().zero_grad(*args, **kwargs)
 
     # ---- state: carried over, loaded, consolidated -------------------------------------------
     def _shard_state(self) -> None:
@@ -293,6 +507,7 @@ class ShardedStrategy(DistributedWrapper):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a full state dict (``consolidate_state_dict()``'s or a plain optimizer's, of
         any world size) and keep this rank's slices of it."""
+        self.wait_for_parameters()
         super().load_state_dict(state_dict)
         self._shard_state()
         self._consolidated = None
@@ -300,6 +515,7 @@ class ShardedStrategy(DistributedWrapper):
     def state_dict(self) -> Dict[str, Any]:
         """The full state gathered by the last :meth:`consolidate_state_dict`; never
         communicates, raises ``RuntimeError`` when there is none since the last step."""
+        self.wait_for_parameters()
         if self._consolidated is None:
             raise RuntimeError(CONSOLIDATE_FIRST)
         return self._consolidated
@@ -310,6 +526,7 @@ class ShardedStrategy(DistributedWrapper):
         A collective: call it on every rank (then ``state_dict()`` returns the result until the
         next ``step()``).  Memory: the full state is held on every rank while it lives."""
         from aiak_training.torch.functions import allgather_object
+        self.wait_for_parameters()
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         # Which entries each parameter has, and its non-sliced values, from its owners.
         local: Dict[int, Dict[str, Any]] = {}
@@ -365,6 +582,7 @@ class ShardedStrategy(DistributedWrapper):
         exists once, so only the param groups' options (``lr``...) are made equal to
         ``root_rank``'s."""
         from aiak_training.torch.functions import broadcast_object
+        self.wait_for_parameters()
         options = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         for g, opts in zip(self.param_groups,
                            broadcast_object(options, root_rank, name="sharded.options")):

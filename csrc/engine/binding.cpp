@@ -13,6 +13,8 @@
 
 #include "common/dtypes.h"
 #include "engine/engine.h"
+#include "engine/mpi.h"
+#include "engine/python_transport.h"
 
 namespace py = pybind11;
 
@@ -118,8 +120,7 @@ EngineConfig make_config(const py::dict& d) {
   c.cache_capacity = d["cache_capacity"].cast<int>();
   c.stall_check_s = d["stall_check_s"].cast<double>();
   c.stall_shutdown_s = d["stall_shutdown_s"].cast<double>();
-  c.handle_bytes = d["handle_bytes"].cast<int>();
-  c.in_place = d["in_place"].cast<int64_t>();
+  c.idle_park_s = d.contains("idle_park_s") ? d["idle_park_s"].cast<double>() : 0.0;
   c.types.uint64 = d["UINT64_T"].cast<int64_t>();
   c.types.int32 = d["INT32_T"].cast<int64_t>();
   c.types.int64 = d["INT64_T"].cast<int64_t>();
@@ -158,12 +159,19 @@ void register_engine(py::module_& m) {
         "repr() of a float as the native engine writes it into messages (for tests).");
 
   py::class_<Engine>(m, "EngineCore",
-                     "The native engine (csrc/engine/): negotiation, fusion and host MPI calls "
-                     "on a thread that never takes the GIL.")
-      .def(py::init([](py::dict config, py::function lane) {
-             return new Engine(make_config(config), make_lane(std::move(lane)));
+                     "The native engine (csrc/engine/): negotiation, fusion and host collectives "
+                     "(MPI, or Gloo through Python) on its own thread.")
+      .def(py::init([](py::dict config, py::function lane, py::object gloo) {
+             // MPI by default, bound to mpi4py's library; Gloo when a Python object that runs
+             // its collectives is given (runtime/transport/gloo_calls.py).
+             auto transport = gloo.is_none()
+                                  ? bind_mpi(config["handle_bytes"].cast<int>(),
+                                             config["in_place"].cast<int64_t>())
+                                  : python_transport(gloo);
+             return new Engine(make_config(config), make_lane(std::move(lane)),
+                               std::move(transport));
            }),
-           py::arg("config"), py::arg("lane"))
+           py::arg("config"), py::arg("lane"), py::arg("gloo") = py::none())
       .def("add_set", &Engine::add_set, py::arg("set_id"), py::arg("comm"), py::arg("rank"),
            py::arg("size"), py::arg("flat"), py::call_guard<py::gil_scoped_release>())
       .def("set_flat", &Engine::set_flat, py::arg("set_id"), py::arg("flat"),
@@ -262,6 +270,9 @@ void register_engine(py::module_& m) {
       .def_property(
           "cycle_time_s", [](const Engine& e) { return e.cycle_time_s.load(); },
           [](Engine& e, double v) { e.cycle_time_s = v; })
+      .def_property(
+          "cache_switch", [](const Engine& e) { return e.cache_switch.load(); },
+          [](Engine& e, int v) { e.cache_switch = v; })
       .def_property(
           "zero_copy_bytes", [](const Engine& e) { return e.zero_copy_bytes.load(); },
           [](Engine& e, int64_t v) { e.zero_copy_bytes = v; })

@@ -156,13 +156,30 @@ void ResponseCache::evict(int bit) {
   }
 }
 
+void ResponseCache::set_active(bool on) {
+  if (!on) {
+    for (int bit = 0; bit < capacity_; ++bit) evict(bit);
+  }
+  active_ = on;
+}
+
 // ---- controller ---------------------------------------------------------------------------
-Controller::Controller(Mpi* mpi, MpiTypes types, MpiHandle comm, int rank, int size,
+Controller::Controller(Transport* transport, NegotiationTypes types, TransportHandle comm, int rank, int size,
                        int cache_capacity, double stall_check_s, double stall_shutdown_s)
-    : mpi_(mpi), types_(types), comm_(comm), rank_(rank), size_(size),
+    : transport_(transport), types_(types), comm_(comm), rank_(rank), size_(size),
       words_(std::max(1, (cache_capacity + 63) / 64)), cache_(cache_capacity),
       stall_check_s_(stall_check_s), stall_shutdown_s_(stall_shutdown_s),
       last_stall_report_(0.0) {}
+
+void Controller::set_cache_active(bool on) {
+  if (!on) {
+    // Nothing of the set is pending at a step boundary; a leftover hit would point at an
+    // emptied slot, so it is negotiated instead.
+    for (auto& kv : cached_pending_) to_send_.push_back(std::move(kv.second));
+    cached_pending_.clear();
+  }
+  cache_.set_active(on);
+}
 
 NegotiationResult Controller::negotiate(std::vector<Request> new_requests, bool want_shutdown,
                                         double now) {
@@ -199,7 +216,7 @@ NegotiationResult Controller::negotiate(std::vector<Request> new_requests, bool 
   }
 
   auto vec = bit_vector(flags, invalid_bits);
-  mpi_->allreduce(mpi_->in_place, vec.data(), static_cast<int>(vec.size()), types_.uint64,
+  transport_->allreduce(transport_->in_place, vec.data(), static_cast<int>(vec.size()), types_.uint64,
                   types_.band, comm_);
   uint64_t g_flags = ~vec[0];
   if (g_flags & kShutdown) {
@@ -300,7 +317,7 @@ std::vector<ResponsePtr> Controller::coordinate(bool with_report, std::string* s
   }
   int mine = static_cast<int>(w.bytes.size());
   std::vector<int> sizes(rank_ == 0 ? size_ : 0), displs(sizes.size());
-  mpi_->gather(&mine, 1, types_.int32, sizes.data(), 1, types_.int32, 0, comm_);
+  transport_->gather(&mine, 1, types_.int32, sizes.data(), 1, types_.int32, 0, comm_);
   std::vector<char> all;
   if (rank_ == 0) {
     int64_t total = 0;
@@ -310,7 +327,7 @@ std::vector<ResponsePtr> Controller::coordinate(bool with_report, std::string* s
     }
     all.resize(std::max<int64_t>(total, 1));
   }
-  mpi_->gatherv(w.bytes.data(), mine, types_.byte, all.data(), sizes.data(), displs.data(),
+  transport_->gatherv(w.bytes.data(), mine, types_.byte, all.data(), sizes.data(), displs.data(),
                 types_.byte, 0, comm_);
 
   Writer out;
@@ -332,9 +349,9 @@ std::vector<ResponsePtr> Controller::coordinate(bool with_report, std::string* s
     for (const auto& resp : responses) write_response(out, *resp);
   }
   int64_t nbytes = static_cast<int64_t>(out.bytes.size());
-  mpi_->bcast(&nbytes, 1, types_.int64, 0, comm_);
+  transport_->bcast(&nbytes, 1, types_.int64, 0, comm_);
   out.bytes.resize(static_cast<size_t>(nbytes));
-  mpi_->bcast(out.bytes.data(), static_cast<int>(nbytes), types_.byte, 0, comm_);
+  transport_->bcast(out.bytes.data(), static_cast<int>(nbytes), types_.byte, 0, comm_);
   Reader rd(out.bytes.data(), out.bytes.size());
   std::vector<ResponsePtr> responses(static_cast<size_t>(rd.pod<int64_t>()));
   for (auto& resp : responses) resp = std::make_shared<const Response>(read_response(rd));

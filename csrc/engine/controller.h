@@ -14,21 +14,24 @@
 #include <vector>
 
 #include "engine/messages.h"
-#include "engine/mpi.h"
+#include "engine/transport.h"
 
 namespace aiak {
 namespace engine {
 
-// Handles of the MPI objects negotiation needs, taken from mpi4py.
-struct MpiTypes {
-  MpiHandle uint64 = 0, int32 = 0, int64 = 0, byte = 0, band = 0;
+// Handles of the transport objects negotiation needs (element types and the BAND op).
+struct NegotiationTypes {
+  TransportHandle uint64 = 0, int32 = 0, int64 = 0, byte = 0, band = 0;
 };
 
 class ResponseCache {
  public:
   enum class Lookup { kHit, kMiss, kInvalid };
   explicit ResponseCache(int capacity);
-  bool enabled() const { return capacity_ > 0; }
+  bool enabled() const { return capacity_ > 0 && active_; }
+  // Autotune's on/off knob (the capacity, hence the bit vector's size, stays); off empties
+  // the cache so that every rank starts again from the same empty one.
+  void set_active(bool on);
   size_t size() const { return bit_of_.size(); }
   Lookup lookup(const Request& req, int* bit) const;
   const ResponsePtr& response(int bit) const { return slots_[bit]->response; }
@@ -43,6 +46,7 @@ class ResponseCache {
     std::optional<Signature> signature;
   };
   int capacity_;
+  bool active_ = true;
   std::vector<std::optional<Slot>> slots_;
   std::unordered_map<std::string, int> bit_of_;
   std::list<int> lru_;  // least recently used first
@@ -64,10 +68,12 @@ struct NegotiationResult {
 
 class Controller {
  public:
-  Controller(Mpi* mpi, MpiTypes types, MpiHandle comm, int rank, int size, int cache_capacity,
+  Controller(Transport* transport, NegotiationTypes types, TransportHandle comm, int rank, int size, int cache_capacity,
              double stall_check_s, double stall_shutdown_s);
 
   NegotiationResult negotiate(std::vector<Request> new_requests, bool want_shutdown, double now);
+  // Response cache on/off from the next negotiation on (autotune, at a step boundary).
+  void set_cache_active(bool on);
   void record_executed(const ResponsePtr& resp, const std::optional<Signature>& sig);
   void mark_unjoined() { joined_ = false; }
   TableCounts counts() const;
@@ -83,9 +89,9 @@ class Controller {
   std::string report_stall(const std::vector<std::optional<std::vector<std::string>>>& reports) const;
   Response construct(const std::string& name, const std::map<int, Request>& reqs) const;
 
-  Mpi* mpi_;
-  MpiTypes types_;
-  MpiHandle comm_;
+  Transport* transport_;
+  NegotiationTypes types_;
+  TransportHandle comm_;
   int rank_, size_, words_;
   ResponseCache cache_;
   double stall_check_s_, stall_shutdown_s_;

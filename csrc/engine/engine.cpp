@@ -45,9 +45,8 @@ constexpr int64_t kMaxCount = INT_MAX / 2;
 
 }  // namespace
 
-Engine::Engine(EngineConfig config, Lane lane)
-    : config_(std::move(config)), lane_(std::move(lane)),
-      mpi_(bind_mpi(config_.handle_bytes, config_.in_place)) {
+Engine::Engine(EngineConfig config, Lane lane, std::unique_ptr<Transport> transport)
+    : config_(std::move(config)), lane_(std::move(lane)), transport_(std::move(transport)) {
   cycle_time_s = config_.cycle_time_s;
 }
 
@@ -57,7 +56,7 @@ Engine::~Engine() {
 }
 
 // ---- process sets ---------------------------------------------------------------------------
-void Engine::add_set(int set_id, MpiHandle comm, int rank, int size, bool flat) {
+void Engine::add_set(int set_id, TransportHandle comm, int rank, int size, bool flat) {
   auto state = std::make_shared<SetState>();
   state->id = set_id;
   state->rank = rank;
@@ -65,7 +64,7 @@ void Engine::add_set(int set_id, MpiHandle comm, int rank, int size, bool flat) 
   state->comm = comm;
   state->flat = flat;
   state->controller = std::make_unique<Controller>(
-      mpi_.get(), config_.types, comm, rank, size, config_.cache_capacity, config_.stall_check_s,
+      transport_.get(), config_.types, comm, rank, size, config_.cache_capacity, config_.stall_check_s,
       config_.stall_shutdown_s);
   state->counts = state->controller->counts();
   std::lock_guard<std::mutex> lock(mu_);
@@ -136,21 +135,27 @@ void Engine::run() {
         if (!why.empty()) reason = config_.shut_down + " (" + why + ")";
         break;
       }
-      double remaining = cycle_time_s.load() - (monotonic_now() - started);
+      // Collectives match by order, not time: an idle rank may park for several cycles, and
+      // a peer with work waits in its next negotiation until this rank's park ends or a
+      // thread here waits on a handle (the moment this rank's own requests matter).
+      lock.lock();
+      double pause = cycle_time_s.load();
+      parked_ = config_.idle_park_s > pause && !has_local_work_locked();
+      if (parked_) pause = config_.idle_park_s;
+      double remaining = pause - (monotonic_now() - started);
       if (remaining > 0 && !shutdown_requested_) {
-        lock.lock();
         wake_cv_.wait_for(lock, std::chrono::duration<double>(remaining),
                           [this] { return shutdown_requested_.load() || waiter_blocked_; });
-        waiter_blocked_ = false;
-        lock.unlock();
       }
+      waiter_blocked_ = parked_ = false;
+      lock.unlock();
     }
   } catch (const std::exception& exc) {
-    // Worded as the Python engine words an mpi4py failure; the lane adds the peers that are
-    // gone (an MPI error usually means one vanished) and logs it.
-    std::string message = std::string("The background thread failed: ") +
-                          (dynamic_cast<const MpiError*>(&exc) ? "Exception" : "RuntimeError") +
-                          ": " + exc.what();
+    // Worded as the Python engine words a failure of its thread; the lane adds the peers
+    // that are gone (a transport error usually means one vanished) and logs it.
+    auto* failed = dynamic_cast<const TransportError*>(&exc);
+    std::string message = "The background thread failed: " +
+                          (failed ? failed->kind : std::string("RuntimeError")) + ": " + exc.what();
     try {
       std::string full = lane_("fatal", 0, &message);
       reason = full.empty() ? message : full;
@@ -161,6 +166,19 @@ void Engine::run() {
     fatal_ = reason;
   }
   stop(reason);
+}
+
+bool Engine::has_local_work_locked() const {
+  for (const auto& kv : sets_)
+    if (!kv.second->entries.empty() || !kv.second->queue.empty()) return true;
+  return false;
+}
+
+void Engine::wake_for_waiter_locked() const {
+  // The cycle's pause (or an idle park) exists to let more tensors join a batch; a caller
+  // blocked on a handle submits none, so start the next cycle now.
+  waiter_blocked_ = true;
+  wake_cv_.notify_one();
 }
 
 bool Engine::cycle(std::string* why) {
@@ -177,6 +195,10 @@ bool Engine::cycle(std::string* why) {
       fresh.swap(set->queue);
     }
     bool want = set->id == 0 && shutdown_requested_;
+    if (set->id == 0) {
+      int sw = cache_switch.exchange(-1);
+      if (sw >= 0) set->controller->set_cache_active(sw != 0);
+    }
     auto result = set->controller->negotiate(std::move(fresh), want, monotonic_now());
     if (!result.stall_report.empty()) {
       std::string msg = lane_("stall", set->id, &result.stall_report);
@@ -223,7 +245,7 @@ void Engine::stop(const std::string& reason) {
   }
   fail_all(reason);
   if (fatal().empty()) {
-    for (auto& kv : user_ops_) mpi_->op_free(kv.second);
+    for (auto& kv : user_ops_) transport_->op_free(kv.second);
   }
   user_ops_.clear();
   done_cv_.notify_all();
@@ -360,12 +382,7 @@ WaitResult Engine::wait(int64_t handle, bool forget) {
     out.unknown = true;
     return out;
   }
-  if (!it->second.done) {
-    // Someone waits on a tensor still queued: the cycle's pause exists to let more tensors
-    // join a batch, and a caller blocked here submits none, so start the next cycle now.
-    waiter_blocked_ = true;
-    wake_cv_.notify_one();
-  }
+  if (!it->second.done) wake_for_waiter_locked();
   while (!it->second.done) {
     done_cv_.wait_for(lock, std::chrono::milliseconds(500));
     it = handles_.find(handle);
@@ -398,6 +415,7 @@ WaitResult Engine::poll(int64_t handle) const {
   }
   out.done = it->second.done;
   out.event = it->second.done ? it->second.event : 0;
+  if (!out.done && parked_) wake_for_waiter_locked();
   return out;
 }
 
@@ -414,6 +432,7 @@ std::vector<int64_t> Engine::wait_any(const std::vector<int64_t>& handles, doubl
       if (it != handles_.end() && it->second.done) done.push_back(h);
     }
     if (!done.empty()) return done;
+    if (parked_) wake_for_waiter_locked();
     if (stopped_) throw EngineStopped(fatal_.empty() ? config_.shut_down : fatal_);
     double wait_s = 0.5;
     if (deadline >= 0) {
@@ -599,19 +618,19 @@ std::vector<Entry> Engine::entries_or_zeros(SetState& set, const std::vector<Res
   return out;
 }
 
-MpiHandle Engine::mpi_op(int32_t dtype, int32_t op) {
+TransportHandle Engine::op_handle(int32_t dtype, int32_t op) {
   if (dtype == BOOL) {
     if (op == SUM || op == MAX) return config_.lor;
     if (op == MIN || op == PRODUCT) return config_.land;
     throw std::invalid_argument("Reduce op " + std::to_string(op) + " is not supported for bool tensors.");
   }
-  if (dtype == FLOAT16 || dtype == BFLOAT16) {
+  if ((dtype == FLOAT16 || dtype == BFLOAT16) && !transport_->reduces_halves()) {
     int key_op = op == AVERAGE ? SUM : op;
     auto key = std::make_pair(static_cast<int>(dtype), key_op);
     auto it = user_ops_.find(key);
     if (it != user_ops_.end()) return it->second;
     UserFunction fn = dtype == FLOAT16 ? half_op_for<FLOAT16>(key_op) : half_op_for<BFLOAT16>(key_op);
-    MpiHandle handle = mpi_->op_create(fn, true);
+    TransportHandle handle = transport_->op_create(fn, true);
     user_ops_[key] = handle;
     return handle;
   }
@@ -625,11 +644,11 @@ MpiHandle Engine::mpi_op(int32_t dtype, int32_t op) {
 }
 
 void Engine::reduce_host(SetState& set, uintptr_t addr, int64_t count, int32_t dtype, int32_t op) {
-  MpiHandle mop = mpi_op(dtype, op);
+  TransportHandle mop = op_handle(dtype, op);
   int item = itemsize(dtype);
   for (int64_t off = 0; off < count; off += kMaxCount) {
     int n = static_cast<int>(std::min(kMaxCount, count - off));
-    mpi_->allreduce(mpi_->in_place, reinterpret_cast<void*>(addr + off * item), n,
+    transport_->allreduce(transport_->in_place, reinterpret_cast<void*>(addr + off * item), n,
                     config_.dtypes[dtype], mop, set.comm);
   }
 }
@@ -715,7 +734,7 @@ void Engine::broadcast(SetState& set, const ResponsePtr& resp_ptr) {
   const int item = itemsize(resp.dtype);
   for (int64_t off = 0; off < e.count; off += kMaxCount) {
     int n = static_cast<int>(std::min(kMaxCount, e.count - off));
-    mpi_->bcast(reinterpret_cast<void*>(e.out + off * item), n, config_.dtypes[resp.dtype],
+    transport_->bcast(reinterpret_cast<void*>(e.out + off * item), n, config_.dtypes[resp.dtype],
                 resp.root, set.comm);
   }
   activity(resp.names, nullptr);

@@ -2,7 +2,8 @@
 //
 // Python (aiak_training/runtime/native_engine.py) enqueues tensors and waits on handles; the
 // thread here owns the queues, the negotiation of every process set (controller.h), the
-// fusion buffer and the MPI calls of host allreduce and broadcast, and completes handles.
+// fusion buffer and the transport calls (MPI or Gloo, transport.h) of host allreduce and
+// broadcast, and completes handles.
 // What it cannot do without Python (GPU collectives, allgather/alltoall/reducescatter, whose
 // results are allocated by the frontend, process-set changes and the hierarchical
 // algorithms) it hands, in agreed order, to a "lane": a Python callable it calls with the GIL.
@@ -26,7 +27,7 @@
 #include "common/dtypes.h"
 #include "engine/controller.h"
 #include "engine/messages.h"
-#include "engine/mpi.h"
+#include "engine/transport.h"
 
 namespace aiak {
 namespace engine {
@@ -35,11 +36,11 @@ struct EngineConfig {
   double cycle_time_s = 0.001;
   int cache_capacity = 1024;
   double stall_check_s = 60.0, stall_shutdown_s = 0.0;
-  int handle_bytes = 4;
-  int64_t in_place = -1;
-  MpiTypes types;
-  MpiHandle dtypes[11] = {};                          // by DataType code
-  MpiHandle sum = 0, min = 0, max = 0, prod = 0, lor = 0, land = 0;
+  // Idle cycles park for up to this long (0: never); a waiter wakes the thread.
+  double idle_park_s = 0.0;
+  NegotiationTypes types;
+  TransportHandle dtypes[11] = {};                          // by DataType code
+  TransportHandle sum = 0, min = 0, max = 0, prod = 0, lor = 0, land = 0;
   std::string shut_down, duplicate_name;              // messages users match on
 };
 
@@ -96,10 +97,10 @@ struct TimelineEvent {
 
 class Engine {
  public:
-  Engine(EngineConfig config, Lane lane);
+  Engine(EngineConfig config, Lane lane, std::unique_ptr<Transport> transport);
   ~Engine();
 
-  void add_set(int set_id, MpiHandle comm, int rank, int size, bool flat);
+  void add_set(int set_id, TransportHandle comm, int rank, int size, bool flat);
   bool remove_set(int set_id, const std::string& why);
   // Switches a set between the native flat allreduce and the lane's algorithms (autotune).
   // Safe only while the set has no allreduce in flight; false if the set is unknown.
@@ -134,11 +135,14 @@ class Engine {
   std::atomic<double> cycle_time_s{0.001};
   std::atomic<int64_t> zero_copy_bytes{1 << 20};
   std::atomic<bool> timeline_on{false};
+  // Autotune's response cache switch for the global set: -1 none, 0 off, 1 on.  Set before
+  // the step's first tensor is queued, taken by the next cycle before it negotiates.
+  std::atomic<int> cache_switch{-1};
 
  private:
   struct SetState {
     int id, rank, size;
-    MpiHandle comm;
+    TransportHandle comm;
     std::atomic<bool> flat{true};  // read by the engine thread, changed by set_flat
     std::unique_ptr<Controller> controller;
     std::vector<Request> queue;
@@ -155,6 +159,8 @@ class Engine {
   };
 
   void run();
+  bool has_local_work_locked() const;
+  void wake_for_waiter_locked() const;
   bool cycle(std::string* why);
   void execute(SetState& set, const std::vector<ResponsePtr>& responses);
   bool is_lane(const SetState& set, const Response& resp) const;
@@ -162,7 +168,7 @@ class Engine {
   void allreduce_group(SetState& set, const std::vector<ResponsePtr>& group);
   void broadcast(SetState& set, const ResponsePtr& resp);
   void reduce_host(SetState& set, uintptr_t addr, int64_t count, int32_t dtype, int32_t op);
-  MpiHandle mpi_op(int32_t dtype, int32_t op);
+  TransportHandle op_handle(int32_t dtype, int32_t op);
   // This rank's entries of `group` (copies), zeros of the agreed shape where it joined.
   std::vector<Entry> entries_or_zeros(SetState& set, const std::vector<ResponsePtr>& group);
   void finish(SetState& set, const ResponsePtr& resp, bool has_result = false, int64_t result = 0);
@@ -178,9 +184,10 @@ class Engine {
 
   EngineConfig config_;
   Lane lane_;
-  std::unique_ptr<Mpi> mpi_;
+  std::unique_ptr<Transport> transport_;
   mutable std::mutex mu_;
-  std::condition_variable done_cv_, wake_cv_;
+  std::condition_variable done_cv_;
+  mutable std::condition_variable wake_cv_;
   std::map<int, std::shared_ptr<SetState>> sets_;
   std::unordered_map<int64_t, Handle> handles_;
   int64_t next_handle_ = 1;
@@ -188,11 +195,12 @@ class Engine {
   bool started_ = false;
   std::atomic<bool> stopped_{false}, shutdown_requested_{false};
   std::string fatal_;
-  bool waiter_blocked_ = false;  // a wait() found its handle pending: skip the cycle's pause
+  mutable bool waiter_blocked_ = false;  // a waiter found its handle pending: skip the pause
+  bool parked_ = false;                  // the thread is in an idle park (under mu_)
   std::atomic<double> cycle_started_{0.0};
   std::vector<char> fusion_;
   std::vector<std::vector<char>> zeros_keep_;
-  std::map<std::pair<int, int>, MpiHandle> user_ops_;
+  std::map<std::pair<int, int>, TransportHandle> user_ops_;
   std::vector<TimelineEvent> events_;
 };
 

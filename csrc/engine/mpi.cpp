@@ -43,7 +43,7 @@ F bind(const char* name) { return reinterpret_cast<F>(find_symbol(name)); }
 
 // H: the library's handle type (int for MPICH's ABI, a pointer for Open MPI's).
 template <typename H>
-class TypedMpi final : public Mpi {
+class TypedMpi final : public Transport {
  public:
   explicit TypedMpi(int64_t in_place_value) {
     in_place = reinterpret_cast<void*>(static_cast<intptr_t>(in_place_value));
@@ -56,32 +56,32 @@ class TypedMpi final : public Mpi {
     error_string_ = bind<decltype(error_string_)>("MPI_Error_string");
   }
 
-  void allreduce(const void* s, void* r, int n, MpiHandle dt, MpiHandle op, MpiHandle comm) override {
+  void allreduce(const void* s, void* r, int n, TransportHandle dt, TransportHandle op, TransportHandle comm) override {
     check(allreduce_(s, r, n, h(dt), h(op), h(comm)), "MPI_Allreduce");
   }
-  void bcast(void* b, int n, MpiHandle dt, int root, MpiHandle comm) override {
+  void bcast(void* b, int n, TransportHandle dt, int root, TransportHandle comm) override {
     check(bcast_(b, n, h(dt), root, h(comm)), "MPI_Bcast");
   }
-  void gather(const void* s, int sn, MpiHandle sdt, void* r, int rn, MpiHandle rdt, int root,
-              MpiHandle comm) override {
+  void gather(const void* s, int sn, TransportHandle sdt, void* r, int rn, TransportHandle rdt, int root,
+              TransportHandle comm) override {
     check(gather_(s, sn, h(sdt), r, rn, h(rdt), root, h(comm)), "MPI_Gather");
   }
-  void gatherv(const void* s, int sn, MpiHandle sdt, void* r, const int* rc, const int* dis,
-               MpiHandle rdt, int root, MpiHandle comm) override {
+  void gatherv(const void* s, int sn, TransportHandle sdt, void* r, const int* rc, const int* dis,
+               TransportHandle rdt, int root, TransportHandle comm) override {
     check(gatherv_(s, sn, h(sdt), r, rc, dis, h(rdt), root, h(comm)), "MPI_Gatherv");
   }
-  MpiHandle op_create(UserFunction fn, bool commute) override {
+  TransportHandle op_create(UserFunction fn, bool commute) override {
     H op{};
     check(op_create_(reinterpret_cast<void*>(fn), commute ? 1 : 0, &op), "MPI_Op_create");
     return to_int(op);
   }
-  void op_free(MpiHandle op) override {
+  void op_free(TransportHandle op) override {
     H handle = h(op);
     op_free_(&handle);
   }
 
  private:
-  static H h(MpiHandle v) {
+  static H h(TransportHandle v) {
     if constexpr (std::is_pointer<H>::value) return reinterpret_cast<H>(static_cast<intptr_t>(v));
     else return static_cast<H>(v);
   }
@@ -94,7 +94,7 @@ class TypedMpi final : public Mpi {
     char text[1024] = {0};
     int len = 0;
     if (error_string_(code, text, &len) != 0) std::snprintf(text, sizeof text, "error %d", code);
-    throw MpiError(std::string(what) + ": " + text);
+    throw TransportError("Exception", std::string(what) + ": " + text);
   }
 
   int (*allreduce_)(const void*, void*, int, H, H, H) = nullptr;
@@ -108,7 +108,7 @@ class TypedMpi final : public Mpi {
 
 }  // namespace
 
-std::unique_ptr<Mpi> bind_mpi(int handle_bytes, int64_t in_place) {
+std::unique_ptr<Transport> bind_mpi(int handle_bytes, int64_t in_place) {
   if (handle_bytes == 4) return std::make_unique<TypedMpi<int32_t>>(in_place);
   if (handle_bytes == static_cast<int>(sizeof(void*))) return std::make_unique<TypedMpi<void*>>(in_place);
   throw std::invalid_argument("aiak engine: unsupported MPI handle size " +

@@ -1,4 +1,4 @@
-// The MPI calls the native engine makes, bound at run time to the library mpi4py loaded.
+// The MPI transport of the native engine (transport.h), bound at run time to the library mpi4py loaded.
 //
 // Why not #include <mpi.h>: MPICH and Open MPI have different ABIs (MPICH handles are 32-bit
 // ints, Open MPI's are pointers to library objects), and the MPI in use is only known when
@@ -11,46 +11,15 @@
 
 #include <cstdint>
 #include <memory>
-#include <stdexcept>
-#include <string>
+
+#include "engine/transport.h"
 
 namespace aiak {
 namespace engine {
 
-// An MPI handle value as mpi4py reports it (MPI._handleof): an int or a pointer, widened.
-using MpiHandle = int64_t;
-
-// An MPI call returned an error code; what() is the library's MPI_Error_string.
-class MpiError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// A reduction MPI cannot do with a built-in op (float16/bfloat16 sums and the like):
-// signature of MPI_User_function, the datatype argument left opaque.
-using UserFunction = void (*)(void* in, void* inout, int* len, void* datatype);
-
-class Mpi {
- public:
-  virtual ~Mpi() = default;
-  // Each throws MpiError on a failed call (communicators use MPI_ERRORS_RETURN).
-  virtual void allreduce(const void* send, void* recv, int count, MpiHandle dtype, MpiHandle op,
-                         MpiHandle comm) = 0;
-  virtual void bcast(void* buf, int count, MpiHandle dtype, int root, MpiHandle comm) = 0;
-  virtual void gather(const void* send, int scount, MpiHandle sdtype, void* recv, int rcount,
-                      MpiHandle rdtype, int root, MpiHandle comm) = 0;
-  virtual void gatherv(const void* send, int scount, MpiHandle sdtype, void* recv,
-                       const int* rcounts, const int* displs, MpiHandle rdtype, int root,
-                       MpiHandle comm) = 0;
-  virtual MpiHandle op_create(UserFunction fn, bool commute) = 0;
-  virtual void op_free(MpiHandle op) = 0;
-  // The MPI_IN_PLACE sentinel of this library.
-  void* in_place = nullptr;
-};
-
 // Binds to the MPI library already loaded in this process.  `handle_bytes` is the size of
 // its handles (4 for MPICH's ABI, 8 for Open MPI's), `in_place` its MPI_IN_PLACE value.
-std::unique_ptr<Mpi> bind_mpi(int handle_bytes, int64_t in_place);
+std::unique_ptr<Transport> bind_mpi(int handle_bytes, int64_t in_place);
 
 }  // namespace engine
 }  // namespace aiak

@@ -1,4 +1,5 @@
-"""Per-rank check of the Python engine's idle park (AIAK_IDLE_PARK_MS, runtime/engine.py).
+"""Per-rank check of the idle park (AIAK_IDLE_PARK_MS) of the Python engine
+(runtime/engine.py), and of the native engine over Gloo (csrc/engine/engine.cpp).
 
 While no rank has anything in flight, the engine negotiates at most once per park; a thread
 that waits on a handle wakes a parked engine, so operations do not wait the park out.
@@ -10,6 +11,7 @@ import torch
 
 import aiak_training.torch as hvd
 from aiak_training.runtime import controller
+from aiak_training.runtime.transport.gloo_calls import GlooCalls
 
 negotiations = [0]
 _negotiate = controller.Controller.negotiate
@@ -21,6 +23,18 @@ def _counting(self, *args, **kwargs):
 
 
 controller.Controller.negotiate = _counting
+
+# The native engine negotiates in C++; over Gloo each negotiation makes one allreduce call
+# into GlooCalls (the bit vector), which idle cycles make and nothing else does.
+_gloo_allreduce = GlooCalls.allreduce
+
+
+def _counting_gloo(self, *args, **kwargs):
+    negotiations[0] += 1
+    return _gloo_allreduce(self, *args, **kwargs)
+
+
+GlooCalls.allreduce = _counting_gloo
 
 hvd.init()
 park_s = float(os.environ["AIAK_IDLE_PARK_MS"]) / 1000.0
@@ -42,6 +56,8 @@ for i in range(10):
     assert out.tolist() == [expected] * 3, (i, out.tolist())
 busy_s = time.monotonic() - start
 assert busy_s < 2 * park_s, f"10 allreduces took {busy_s:.2f} s with a {park_s:.1f} s park"
+# The counter is live for the engine under test: the allreduces above were negotiated.
+assert negotiations[0] >= 11, f"only {negotiations[0]} negotiations counted"
 print(f"rank {hvd.rank()}: idle negotiations {idle_cycles}, 10 allreduces in {busy_s:.3f} s",
       flush=True)
 hvd.shutdown()

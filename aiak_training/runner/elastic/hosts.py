@@ -5,17 +5,11 @@ Pure logic (no processes), so the driver's decisions can be unit-tested.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from aiak_training.common.ranks import RankIdentity
+from aiak_training.common.ranks import RankIdentity, place_ranks
 
 Slot = Tuple[str, int]  # (host, index of the slot on that host)
-
-
-@dataclass(frozen=True)
-class Identity(RankIdentity):
-    """A worker's place in one round's world (Horovod's rank_and_size record)."""
 
 
 class HostOrder:
@@ -84,18 +78,7 @@ def plan_slots(order: Iterable[str], available: Dict[str, int], blocked: Set[str
     return slots
 
 
-def assign_ranks(slots: Sequence[Slot]) -> Dict[Slot, Identity]:
-    """Ranks in slot order (a host's slots are contiguous); local ranks count within a host,
-    cross ranks count the hosts that have that local rank (Horovod's host assignment)."""
-    by_host: Dict[str, List[Slot]] = {}
-    for slot in slots:
-        by_host.setdefault(slot[0], []).append(slot)
-    hosts = list(by_host)
-    result: Dict[Slot, Identity] = {}
-    for rank, slot in enumerate(slots):
-        mates = by_host[slot[0]]
-        local_rank = mates.index(slot)
-        having = [h for h in hosts if len(by_host[h]) > local_rank]
-        result[slot] = Identity(rank, len(slots), local_rank, len(mates),
-                                having.index(slot[0]), len(having))
-    return result
+def assign_ranks(slots: Sequence[Slot]) -> Dict[Slot, RankIdentity]:
+    """Each slot's placement in one round's world: ranks in slot order (plan_slots keeps a
+    host's slots together), local and cross ranks by Horovod's rules (see place_ranks)."""
+    return dict(zip(slots, place_ranks([host for host, _ in slots])))

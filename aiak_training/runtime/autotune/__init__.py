@@ -27,9 +27,9 @@ def start(engine) -> None:
     axes = search_axes(begin, fixed, list(engine.algorithms))
     if not axes:
         if engine.rank_in_set(0) == 0:
-            _say(f"nothing to tune: the fusion threshold and cycle time are fixed "
-                 f"({', '.join(fixed) or 'none'}) and the allreduce algorithm cannot change "
-                 f"here; keeping {begin.describe()}.")
+            _say(f"nothing to tune: the fusion threshold, cycle time and response cache "
+                 f"are fixed ({', '.join(fixed) or 'none'}) and the allreduce algorithm "
+                 f"cannot change here; keeping {begin.describe()}.")
         return
     engine.autotune = Autotuner(engine, options, begin, axes)
 

@@ -1,10 +1,17 @@
 """What autotune changes, and how a setting is read from and applied to a running engine.
 
-Knobs: the fusion threshold, the cycle time and the global set's allreduce algorithm.  The
-response cache is reported (its on/off state is a column of the log) but never switched:
-the controller's cache bit vectors are exchanged in every negotiation, so turning it on or
-off would need every rank's engine thread to change in the same negotiation, which a switch
-made at a step boundary by the training thread cannot promise.
+Knobs: the fusion threshold, the cycle time, the response cache on/off and the global set's
+allreduce algorithm.
+
+The response cache cannot simply be flipped by the training thread: the engine thread reads
+it while it classifies requests and feeds it as responses complete.  So the switch is handed
+to the engine thread (``Controller.request_cache`` in the Python engine, the ``cache_switch``
+atomic of the native one), which takes it at the top of its next negotiation, before it
+classifies the requests it just dequeued.  Autotune asks for it at a step boundary before the
+step's first tensor is queued, when nothing of the global set is pending on any rank, so every
+rank classifies exactly the previous step's tensors under the old state and the next step's
+under the new one.  Off empties the cache (its capacity, the size of the bit vectors every
+rank exchanges, stays), so when it comes back on every rank starts from the same empty cache.
 """
 import dataclasses
 import os
@@ -29,6 +36,7 @@ FIXING_VARS = {
     "fusion_threshold": ("HOROVOD_FUSION_THRESHOLD",),
     "cycle_time_ms": ("HOROVOD_CYCLE_TIME",),
     "algorithm": ("AIAK_ALLREDUCE_ALGO", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
+    "cache_enabled": ("HOROVOD_CACHE_CAPACITY",),
 }
 
 
@@ -95,8 +103,19 @@ def tunable_algorithms(config: Config, topology: Topology, current: object,
 def current_setting(engine) -> Setting:
     """The setting in force on ``engine``."""
     cfg = engine.config
+    cache = getattr(engine, "autotune_cache_enabled", cfg.cache_capacity > 0)
     return Setting(int(cfg.fusion_threshold), float(cfg.cycle_time_ms),
-                   algorithm_name(engine._sets[0].algorithm), cfg.cache_capacity > 0)
+                   algorithm_name(engine._sets[0].algorithm), cache)
+
+
+def _switch_cache(engine, on: bool) -> None:
+    """Hand the cache switch to the engine thread (see the module docstring)."""
+    core = getattr(engine, "core", None)
+    if core is not None:
+        core.cache_switch = int(on)      # the native engine's global set
+    else:
+        engine._sets[0].controller.request_cache(on)
+    engine.autotune_cache_enabled = on
 
 
 def apply_setting(engine, setting: Setting) -> None:
@@ -109,6 +128,11 @@ def apply_setting(engine, setting: Setting) -> None:
         cfg.cycle_time_ms = setting.cycle_time_ms
     if engine.algorithms and algorithm_name(engine._sets[0].algorithm) != setting.algorithm:
         engine.set_allreduce_algorithm(setting.algorithm)
+    if current_setting(engine).cache_enabled != setting.cache_enabled:
+        if setting.cache_enabled and cfg.cache_capacity <= 0:
+            raise ValueError("the response cache cannot be switched on: "
+                             "HOROVOD_CACHE_CAPACITY is 0")
+        _switch_cache(engine, setting.cache_enabled)
 
 
 def search_axes(start: Setting, fixed: Sequence[str],
@@ -122,6 +146,10 @@ def search_axes(start: Setting, fixed: Sequence[str],
     if "cycle_time_ms" not in fixed:
         values = (start.cycle_time_ms,) + CYCLE_MS
         axes.append(("cycle_time_ms", tuple(dict.fromkeys(values))))
+    if "cache_enabled" not in fixed and start.cache_enabled:
+        # Off is worth a sample: with few tensors per step, one negotiation round each may
+        # cost less than the bit vectors and bookkeeping of the cache.
+        axes.append(("cache_enabled", (True, False)))
     if len(algorithms) > 1:
         ordered = [start.algorithm] + [a for a in ALGORITHMS if a in algorithms]
         axes.append(("algorithm", tuple(dict.fromkeys(ordered))))

@@ -11,7 +11,7 @@ deciding).
 
 Switching: every rank counts the same steps, so all of them end a sample at the same
 boundary.  There, on the training thread and before the marker tensor is submitted, rank 0
-broadcasts the next setting through the engine (a tensor of four numbers), and every rank
+broadcasts the next setting through the engine (a tensor of five numbers), and every rank
 puts it in force as the broadcast returns.  By then each rank has submitted the whole of the
 previous step, and the engine executes in negotiated order, so no allreduce is in flight:
 the fusion threshold and algorithm change between the same two tensors on every rank.
@@ -116,7 +116,7 @@ class Autotuner:
         score = 1.0 / max(statistics.median(self._times), 1e-9)
         self._times = []
         self._samples += 1
-        proposal = [0.0, 0.0, 0.0, 0.0]
+        proposal = [0.0, 0.0, 0.0, 0.0, 0.0]
         if self._rank == 0:
             search = self._search
             if self._samples > self._opts.warmup_samples:
@@ -124,10 +124,10 @@ class Autotuner:
                 self._log.row(self._measuring, score)
             chosen = search.best if search.done else search.next()
             proposal = [float(search.done), float(chosen.fusion_threshold),
-                        chosen.cycle_time_ms, float(ALGORITHMS.index(chosen.algorithm))]
-        done, fusion, cycle, algo = self._agree(proposal)
-        setting = Setting(int(fusion), cycle, ALGORITHMS[int(algo)],
-                          self._measuring.cache_enabled)
+                        chosen.cycle_time_ms, float(ALGORITHMS.index(chosen.algorithm)),
+                        float(chosen.cache_enabled)]
+        done, fusion, cycle, algo, cache = self._agree(proposal)
+        setting = Setting(int(fusion), cycle, ALGORITHMS[int(algo)], bool(cache))
         apply_setting(self._engine, setting)
         self._measuring = setting
         if done:

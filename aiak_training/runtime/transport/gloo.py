@@ -58,7 +58,6 @@ class WorldInfo(RankIdentity):
     ``prefix`` names this world's keys in the store: a driver that reuses one store for
     successive worlds gives each a new prefix.
     """
-    hostname: str
     addr: str
     port: int
     prefix: str = ""
@@ -279,17 +278,14 @@ def base_communicator(comm: Any = None) -> "GlooComm":
 
 
 def engine_for_gloo(config: Any, native_class: type, python_class: type) -> type:
-    """The engine class for a Gloo world: the Python engine.  The native engine's C++ thread
-    calls MPI directly, so it cannot run over Gloo; say so once, at INFO."""
-    if config.engine == "native":
-        log.info("Gloo transport: using the Python engine (the native engine calls MPI from "
-                 "C++; AIAK_ENGINE=native applies to MPI jobs only).")
+    """The engine class for a Gloo world: the native engine, whose C++ thread runs Gloo's
+    collectives through :mod:`.gloo_calls`, unless ``AIAK_ENGINE=python`` asks for the other."""
     if not os.environ.get("AIAK_ZERO_COPY_BYTES", "").strip():
         # A Gloo call costs far more than an MPI call (a work object, a hand-off to Gloo's
         # thread, a wait), while copying into the fusion buffer runs at memory speed: pack
         # large tensors too, unless the user chose a threshold.
         config.zero_copy_bytes = GLOO_ZERO_COPY_BYTES
-    return python_class
+    return python_class if config.engine == "python" else native_class
 
 
 def release(comm: Any) -> None:
@@ -562,15 +558,39 @@ class GlooComm:
         if self._size > 1 and nbytes:
             self._allreduce_tensor(data, dtype, word)
 
+    def _broadcast_tensor(self, data, root: int) -> None:
+        """Broadcast ``data`` (a uint8 tensor) in place from ``root``."""
+        import torch.distributed as dist
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        self._pg().broadcast([data], opts).wait()
+
+    def _gather_tensor(self, data, outputs: Optional[List[Any]], root: int) -> None:
+        """Gather equal-sized ``data`` into ``outputs`` (one tensor per rank) on ``root``;
+        ``outputs`` is None on the other ranks."""
+        import torch.distributed as dist
+        opts = dist.GatherOptions()
+        opts.rootRank = root
+        self._pg().gather([outputs] if outputs is not None else [], [data], opts).wait()
+
     def Bcast(self, buf: Any, root: int = 0) -> None:
         if self._size == 1:
             return
-        import torch.distributed as dist
         memory, nbytes, _, _ = _spec(buf)
         if nbytes:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = root
-            self._pg().broadcast([_bytes(memory, nbytes)], opts).wait()
+            self._broadcast_tensor(_bytes(memory, nbytes), root)
+
+    def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        """Equal pieces: Gloo gathers them straight into the receive buffer (no padding,
+        no per-rank temporaries as in :meth:`Allgatherv`)."""
+        send_mem, send_bytes, _, _ = _spec(sendbuf)
+        recv_mem = _spec(recvbuf)[0]  # its count is per rank, as in MPI
+        recv_bytes = send_bytes * self._size
+        out, mine = _bytes(recv_mem, recv_bytes), _bytes(send_mem, send_bytes)
+        if self._size == 1:
+            out.copy_(mine)
+        elif recv_bytes:
+            self._pg()._allgather_base(out, mine).wait()
 
     def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None:
         import torch
