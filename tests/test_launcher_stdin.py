@@ -122,7 +122,9 @@ def test_piped_program_runs_on_every_rank(mode, tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert sorted(re.findall(r"^\[(\d)\] program ran on rank (\d)$", proc.stdout, re.M)) == [
         ("0", "0"), ("1", "1")], proc.stdout + proc.stderr
-    assert elapsed < 10, elapsed
+    # A bound against a hang, not the 10 s target (a benchmark: docs/benchmarks/index.md,
+    # `stdin_program_s`), which a loaded CI machine must not turn into a failure.
+    assert elapsed < 60, elapsed
     if mode:
         # The ranks never called hvd.init(): a Gloo job says that nothing ran over Gloo.
         assert proc.stderr.rstrip().splitlines()[-1] == (
@@ -148,9 +150,7 @@ def test_only_rank_zero_reads_a_plain_commands_stdin(mode, tmp_path) -> None:
 def test_terminal_stdin_is_refused(mode) -> None:
     leader, follower = os.openpty()
     try:
-        started = time.monotonic()
         proc = _aiakrun(mode + ["-np", "2", "python3", "-"], follower, timeout=30)
-        elapsed = time.monotonic() - started
     finally:
         os.close(leader)
         os.close(follower)
@@ -161,7 +161,6 @@ def test_terminal_stdin_is_refused(mode) -> None:
         "save the program to a file (on every host) and run it: aiakrun -np 2 python3 "
         "program.py"], proc.stderr
     assert proc.stdout == ""
-    assert elapsed < 10, elapsed
 
 
 @pytest.mark.parametrize("mode", MODES)
