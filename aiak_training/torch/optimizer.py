@@ -238,6 +238,13 @@ class _DistributedOptimizer(DistributedWrapper):
         self._synchronized = True
 
     def step(self, closure=None):
+        if self._handles and self._should_synchronize and not self._synchronized \
+                and (getattr(self, "grad_scale", None) is not None
+                     or getattr(self, "found_inf", None) is not None):
+            # GradScaler.step() checks the gradients for inf/NaN (and writes them back) before
+            # it calls step(): here that check raced the allreduces still in flight, so ranks
+            # can disagree about skipping the step.
+            warnings.warn(GRAD_SCALER_BEFORE_SYNC)
         wrapped_step = self._wrapped_step
         overlap = self._overlap
         if overlap is not None:
@@ -252,6 +259,14 @@ class _DistributedOptimizer(DistributedWrapper):
                 overlap.fallback(reason)
         self._synchronize_for_step()
         return wrapped_step(closure)
+
+
+GRAD_SCALER_BEFORE_SYNC = (
+    "GradScaler checked the gradients for inf/NaN while their allreduce was still running, so "
+    "the check saw unreduced gradients and may differ between ranks. Call "
+    "optimizer.synchronize() before scaler.step(optimizer) and run scaler.step(optimizer) "
+    "inside optimizer.skip_synchronize().")
+
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[NamedParameters] = None,

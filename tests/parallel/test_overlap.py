@@ -7,6 +7,7 @@ gradient seen by each update is also checked against an average computed here, i
 from every rank's data.
 """
 import time
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import aiak_training.torch as hvd
 from aiak_training.runtime import current
 from aiak_training.fused_optim import FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
 from aiak_training.torch import overlap as ov
+from aiak_training.torch.optimizer import GRAD_SCALER_BEFORE_SYNC
 
 STEPS = 20
 
@@ -371,7 +373,12 @@ def test_fallback_gradient_clipping_after_synchronize(caplog):
         assert len(msgs) == 1 and "synchronize()" in msgs[0].getMessage()
 
 
-def _train_with_scaler(overlap, horovod_pattern, make_opt, inject_inf):
+def _train_with_scaler(overlap, pattern, make_opt, inject_inf):
+    """Four steps of fp16-style loss scaling; ``pattern`` says how the scale reaches the
+    optimizer: "unscale" (Horovod's documented synchronize(); unscale_(); skip_synchronize()),
+    "fused_synchronize" (a fused optimizer takes grad_scale/found_inf from GradScaler after
+    synchronize()), or "fused_attrs" (grad_scale/found_inf set on the optimizer before a plain
+    step(), as GradScaler's newer contract does, without reading the gradients first)."""
     model = Net()
     opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
                                    named_parameters=model.named_parameters(),
@@ -383,31 +390,41 @@ def _train_with_scaler(overlap, horovod_pattern, make_opt, inject_inf):
         if inject_inf and step == 2 and hvd.rank() == 0:
             loss = loss * float("inf")  # one rank overflows: every rank must skip the step
         scaler.scale(loss).backward()
-        if horovod_pattern:
-            opt.synchronize()
+        if pattern == "fused_attrs":
+            opt.grad_scale = torch.tensor(2.0 ** 8)  # the fused step divides by it
+            opt.found_inf = torch.tensor(0.0)
+            opt.step()
+            opt.grad_scale = opt.found_inf = None
+            continue
+        opt.synchronize()
+        if pattern == "unscale":
             scaler.unscale_(opt)
-            with opt.skip_synchronize():
-                scaler.step(opt)
-        else:
-            scaler.step(opt)  # fused optimizer: GradScaler hands it grad_scale/found_inf
+        with opt.skip_synchronize():
+            scaler.step(opt)
         scaler.update()
     return model, opt, scaler
 
 
-@pytest.mark.parametrize("pattern", ["horovod_synchronize_unscale", "fused_grad_scale"])
+@pytest.mark.parametrize("pattern", ["unscale", "fused_synchronize", "fused_attrs"])
 def test_fallback_grad_scaler(pattern):
-    horovod = pattern == "horovod_synchronize_unscale"
-    make = OPTIMIZERS["adam_wd"] if horovod else OPTIMIZERS["fused_adam"]
-    # Without synchronize() first, GradScaler's inf check reads gradients that are still being
-    # reduced (in both paths; Horovod documents the other pattern), so only the synchronize()
-    # pattern gets an overflowing step.
-    ref_model, ref_opt, ref_scaler = _train_with_scaler(False, horovod, make, inject_inf=horovod)
-    model, opt, scaler = _train_with_scaler(True, horovod, make, inject_inf=horovod)
+    make = OPTIMIZERS["adam_wd"] if pattern == "unscale" else OPTIMIZERS["fused_adam"]
+    # GradScaler reads (and rewrites) every gradient before it calls step(), so only the
+    # synchronize() patterns may hand it gradients at all; those get an overflowing step.
+    inject = pattern != "fused_attrs"
+    ref_model, ref_opt, ref_scaler = _train_with_scaler(False, pattern, make, inject)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt, scaler = _train_with_scaler(True, pattern, make, inject)
     assert_bitwise_equal(ref_model, ref_opt, model, opt)
     assert scaler.get_scale() == ref_scaler.get_scale()
+    raced = [w for w in caught if str(w.message) == GRAD_SCALER_BEFORE_SYNC]
     if hvd.size() > 1:
-        reason = "synchronized" if horovod else "grad_scaler"
+        reason = "grad_scaler" if pattern == "fused_attrs" else "synchronized"
         assert set(opt.overlap_stats()["fallback_steps"]) == {reason}
+        # Set before the reductions finished: the race is reported on every step.
+        assert len(raced) == (4 if pattern == "fused_attrs" else 0)
+    else:
+        assert not raced
 
 
 def test_fallback_closure_and_step_hooks():
