@@ -1,5 +1,5 @@
 """Adasum (op=hvd.Adasum): the compiled kernels in one process, then the per-rank suites
-(tests/parallel/test_adasum.py, test_adasum_tf.py) at 2 (Python engine), 4 and 8 ranks, at 3
+(tests/parallel/test_adasum.py, test_adasum_tf.py) at 2 (tiny fusion buffer), 4 and 8 ranks, at 3
 ranks (Horovod's error on every call) and on 2 virtual nodes, and a digits training run
 against op=hvd.Average."""
 import ctypes
@@ -111,11 +111,9 @@ LAYOUTS = {
     # Not a power of two: every Adasum call must raise Horovod's error.
     "3ranks": ([3], False, {}, ["-k", "matches_reference and float32 or grouped or async or "
                                       "optimizer and sgd"]),
-    # 2 ranks, on the Python engine, with small tensors fused and larger ones reduced in
-    # place (4 ranks above run the native engine).
-    "2ranks_python_engine_tiny_fusion": ([2], False, {"AIAK_ENGINE": "python",
-                                                       "HOROVOD_FUSION_THRESHOLD": "4096",
-                                                       "AIAK_ZERO_COPY_BYTES": "256"}, []),
+    # 2 ranks with small tensors fused and larger ones reduced in place.
+    "2ranks_tiny_fusion": ([2], False, {"HOROVOD_FUSION_THRESHOLD": "4096",
+                                        "AIAK_ZERO_COPY_BYTES": "256"}, []),
     # A hierarchical algorithm is selected for the set; Adasum still runs its own (flat) one.
     "2x2_virtual_nodes": ([2, 2], True, {"AIAK_TEST_LAYOUT": "2,2"},
                           ["-k", "matches_reference and float32 or grouped or large"]),

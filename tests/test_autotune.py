@@ -281,11 +281,9 @@ def _check_cache_switch(records, rows, ended):
             assert r["cache_entries"] > 0, (i, r)
 
 
-@pytest.mark.parametrize("engine", ["native", "python"])
-def test_two_ranks_tune_and_switch_at_the_same_step(tmp_path, engine):
+def test_two_ranks_tune_and_switch_at_the_same_step(tmp_path):
     steps = 60
-    proc = run_ranks([2], JOB + [str(tmp_path), str(steps)],
-                     env=_env(tmp_path, AIAK_ENGINE=engine), timeout=300)
+    proc = run_ranks([2], JOB + [str(tmp_path), str(steps)], env=_env(tmp_path), timeout=300)
     first, rows, ended = _check_run(proc, tmp_path, 2, steps)
     # One node: fusion (6 values), cycle time (4 more), the cache off (1), 4 confirmations,
     # the best last.

@@ -6,8 +6,7 @@ import torch
 from aiak_training.common import native
 from aiak_training.common.config import Config
 from aiak_training.common.dtypes import DataType, ReduceOp
-from aiak_training.common.messages import OpType, Request, Response
-from aiak_training.runtime.response_cache import HIT, INVALID, MISS, ResponseCache
+from aiak_training.common.messages import OpType, Response
 
 HALF = {DataType.FLOAT16: torch.float16, DataType.BFLOAT16: torch.bfloat16}
 
@@ -175,51 +174,6 @@ def test_copy_batch_and_errors():
         native.scale(0, 3, 99, 2.0)
 
 
-def _req(name, shape=(4,), rank=0):
-    return Request(rank=rank, name=name, op_type=OpType.ALLREDUCE, dtype=int(DataType.FLOAT32),
-                   shape=shape)
-
-
-def _resp(req):
-    return Response(OpType.ALLREDUCE, [req.name], dtype=req.dtype, shapes=[[req.shape]])
-
-
-def test_response_cache_hit_miss_invalid_and_lru():
-    cache = ResponseCache(2)
-    a, b, c = _req("a"), _req("b"), _req("c")
-    assert cache.lookup(a) == (MISS, None)
-    cache.put(_resp(a), a.signature())
-    cache.put(_resp(b), b.signature())
-    assert cache.lookup(a) == (HIT, 0) and cache.lookup(b) == (HIT, 1)
-    assert cache.lookup(_req("a", shape=(5,))) == (INVALID, 0)
-    cache.touch(0)                      # a is now most recently used: b gets evicted
-    cache.put(_resp(c), c.signature())
-    assert cache.lookup(b) == (MISS, None)
-    assert cache.lookup(c) == (HIT, 1)  # lowest free bit, identical on every rank
-    cache.evict(0)
-    assert cache.lookup(a) == (MISS, None)
-    disabled = ResponseCache(0)
-    disabled.put(_resp(a), a.signature())
-    assert not disabled.enabled and disabled.lookup(a) == (MISS, None)
-
-
-def test_response_cache_rerun_hit_and_changed_response():
-    cache = ResponseCache(2)
-    a, b = _req("a"), _req("b")
-    ra, rb = _resp(a), _resp(b)
-    cache.put(ra, a.signature())
-    cache.put(rb, b.signature())
-    cache.touch(0)                       # a negotiated as a hit: most recently used
-    assert cache.put(ra, a.signature()) is None  # the hit ran: nothing moves
-    a5 = _req("a", shape=(5,))
-    ra5 = _resp(a5)
-    assert cache.put(ra5, a5.signature()) is None  # renegotiated: same bit, new response
-    assert cache.lookup(a5) == (HIT, 0) and cache.response(0) is ra5
-    c = _req("c")
-    assert cache.put(_resp(c), c.signature()) == 1  # b is least recently used
-    assert cache.lookup(b) == (MISS, None) and cache.lookup(a5) == (HIT, 0)
-
-
 def test_response_fusion_key_and_sizes():
     from aiak_training.runtime.entries import TensorEntry
     r = Response(OpType.ALLREDUCE, ["x"], dtype=int(DataType.FLOAT64), shapes=[[(3, 5)] * 2],
@@ -245,13 +199,17 @@ def test_response_fusion_key_and_sizes():
 
 
 def test_stall_shutdown_below_warning_time_is_ignored(caplog):
-    from mpi4py import MPI
-    from aiak_training.runtime.controller import Controller
+    from aiak_training.runtime.engine import stall_times
+
+    def times(check, shutdown, disable=False):
+        return stall_times(Config(stall_check_time_s=check, stall_shutdown_time_s=shutdown,
+                                  stall_check_disable=disable))
     with caplog.at_level("WARNING", logger="aiak_training"):
-        assert Controller(MPI.COMM_SELF, 8, 5.0, 2.0).stall_shutdown_s == 0.0
+        assert times(5.0, 2.0) == (5.0, 0.0)
     assert "will not shutdown" in caplog.text
-    assert Controller(MPI.COMM_SELF, 8, 5.0, 7.0).stall_shutdown_s == 7.0
-    assert Controller(MPI.COMM_SELF, 8, 0.0, 7.0).stall_shutdown_s == 7.0
+    assert times(5.0, 7.0) == (5.0, 7.0)
+    assert times(0.0, 7.0) == (0.0, 7.0)
+    assert times(5.0, 2.0, disable=True) == (0.0, 2.0)
 
 
 def test_config_from_env(monkeypatch):
@@ -287,8 +245,8 @@ def test_compression_fp16_roundtrip():
 
 
 def test_native_float_repr_matches_python():
-    # The native coordinator words "Mismatched prescale ... factors" with Python's float
-    # repr, so both engines raise the same text.
+    # The coordinator (csrc/engine/controller.cpp) words "Mismatched prescale ... factors"
+    # with Python's float repr, the form the rest of the API's messages print.
     rng = np.random.default_rng(0)
     values = [0.0, -0.0, 1.0, 0.5, 2.0, 1 / 3, 0.1, 1e-5, 1e-4, 123456.0, 1e15, 1e16, 1.5e16,
               1e-300, 5e-324, 1.7976931348623157e308, float("inf"), -float("inf"), -2.5,

@@ -9,16 +9,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from mpi4py import MPI
 
 from aiak_training.allreduce.hier_pipelined import chunk_spans
 from aiak_training.common import build_info
 from aiak_training.common.config import Config
-from aiak_training.runtime.controller import Controller
 from aiak_training.common.dtypes import DataType as D
 from aiak_training.common.dtypes import ReduceOp as R
 from aiak_training.common.gpu import nccl
-from aiak_training.common.messages import OpType, Request
 from launch import check_rank_summaries, run_ranks
 
 V = 23203  # an NCCL 2.32 version code
@@ -105,25 +102,11 @@ def test_bad_gpu_transport_names_the_variable(monkeypatch, name, value):
         Config.from_env()
 
 
-def test_cpu_gpu_mismatch_is_an_error_response():
-    ctl = Controller(MPI.COMM_SELF, 16, 0.0, 0.0)
-    ctl.size = 2  # plan as the coordinator of two ranks
-    reqs = {0: Request(0, "t", OpType.ALLREDUCE, int(D.FLOAT32), (4,), device=0),
-            1: Request(1, "t", OpType.ALLREDUCE, int(D.FLOAT32), (4,), device=-1)}
-    resp = ctl._construct("t", reqs)
-    assert resp.op_type == OpType.ERROR
-    assert "CPU/GPU device selection" in resp.error and "tensor t" in resp.error
-    # Different GPUs on different ranks are fine: only CPU versus GPU must agree.
-    reqs[1] = Request(1, "t", OpType.ALLREDUCE, int(D.FLOAT32), (4,), device=3)
-    resp = ctl._construct("t", reqs)
-    assert resp.op_type == OpType.ALLREDUCE and resp.gpu
-
-
-def test_signature_tells_cpu_from_gpu():
-    cpu = Request(0, "t", OpType.ALLREDUCE, int(D.FLOAT32), (4,))
-    gpu0 = Request(0, "t", OpType.ALLREDUCE, int(D.FLOAT32), (4,), device=0)
-    gpu1 = Request(0, "t", OpType.ALLREDUCE, int(D.FLOAT32), (4,), device=1)
-    assert cpu.signature() != gpu0.signature() and gpu0.signature() == gpu1.signature()
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_cpu_gpu_mismatch_is_an_error_on_every_rank(nranks):
+    proc = run_ranks([nranks], [sys.executable, "tests/scripts/device_mismatch.py"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.stdout.count("device mismatch refused") == nranks, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("count, itemsize, chunk, align", [

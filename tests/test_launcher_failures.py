@@ -403,9 +403,9 @@ def test_rank_zero_says_what_is_on() -> None:
                                      sys.executable, "-c", code],
                           env=_env(), capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    start = [ln for ln in proc.stderr.splitlines() if "[aiak_training INFO] engine " in ln]
+    start = [ln for ln in proc.stderr.splitlines() if "[aiak_training INFO] transport " in ln]
     assert len(start) == 1 and start[0].startswith("[0] "), proc.stderr
-    assert re.search(r"engine (native|python); transport MPI \(\w+.*\); GPU collectives \w+; "
+    assert re.search(r"transport MPI \(\w+.*\); GPU collectives \w+; "
                      r"allreduce flat \(AIAK_ALLREDUCE_ALGO=auto, but there is a single node; "
                      r"1 node\(s\), 2 rank\(s\)\); accelerations: overlap update "
                      r"\(AIAK_OVERLAP_UPDATE\), fused optimizer \(AIAK_FUSED_OPTIMIZER\)$",

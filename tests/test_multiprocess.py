@@ -26,16 +26,8 @@ LAYOUTS = {
                                                "HOROVOD_CACHE_CAPACITY": "0"}),
     # MPI_THREAD_SERIALIZED instead of MULTIPLE: only the engine's thread calls MPI.
     "2ranks_mpi_threads_disabled": ([2], False, {"HOROVOD_MPI_THREADS_DISABLE": "1"}),
-    # The Python engine, kept as a fallback for one release (AIAK_ENGINE=python).
-    "2ranks_python_engine": ([2], False, {"AIAK_ENGINE": "python"}),
-    "2x2_virtual_nodes_python_engine": ([2, 2], True, {"AIAK_TEST_LAYOUT": "2,2",
-                                                       "AIAK_ENGINE": "python"}),
-    "2ranks_tiny_fusion_and_cache_python_engine": (
-        [2], False, {"HOROVOD_FUSION_THRESHOLD": "4096", "HOROVOD_CACHE_CAPACITY": "3",
-                     "AIAK_ZERO_COPY_BYTES": "256", "AIAK_ENGINE": "python"}),
 }
-BOTH_FILES = ("1rank", "2ranks", "4ranks", "2x2_virtual_nodes", "2ranks_python_engine",
-              "2x2_virtual_nodes_python_engine")
+BOTH_FILES = ("1rank", "2ranks", "4ranks", "2x2_virtual_nodes")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -77,17 +69,3 @@ def test_calls_before_init_raise_value_error():
     proc = run_ranks([1], [sys.executable, "tests/scripts/before_init.py"], timeout=120)
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.strip().endswith("before-init checks passed")
-
-
-@pytest.mark.parametrize("transport", ["mpi", "gloo"])
-def test_python_engine_parks_when_idle_and_waiters_wake_it(transport):
-    env = {"AIAK_ENGINE": "python", "AIAK_IDLE_PARK_MS": "3000"}
-    script = [sys.executable, "tests/scripts/idle_park.py"]
-    if transport == "gloo":
-        proc = run_ranks([1], [sys.executable, "-m", "aiak_training.runner.launch", "--gloo",
-                               "-np", "2"] + script, env=env, timeout=120)
-    else:
-        proc = run_ranks([2], script, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    assert len(re.findall(r"rank \d: idle negotiations \d+, 10 allreduces", proc.stdout)) == 2, \
-        proc.stdout[-4000:]

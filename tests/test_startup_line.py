@@ -55,7 +55,7 @@ def _engine(num_nodes: int, per_node: int, **config) -> SimpleNamespace:
     topology = SimpleNamespace(rank=0, size=num_nodes * per_node, num_nodes=num_nodes,
                                node_sizes=[per_node] * num_nodes,
                                comm=SimpleNamespace(transport="mpi"))
-    return SimpleNamespace(kind="native", topology=topology, config=Config(**config), _sets={})
+    return SimpleNamespace(topology=topology, config=Config(**config), sets={})
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def no_gpu(monkeypatch):
 
 def test_line_with_nothing_on(no_gpu):
     assert startup_line.describe(_engine(1, 2)) == (
-        "engine native; transport MPI (MPICH 5.0.2); GPU collectives none; allreduce flat "
+        "transport MPI (MPICH 5.0.2); GPU collectives none; allreduce flat "
         "(AIAK_ALLREDUCE_ALGO=auto, but there is a single node; 1 node(s), 2 rank(s)); "
         "accelerations: none")
 
@@ -118,7 +118,7 @@ def test_log_level_silences_the_lines(monkeypatch, capsys, level, shown):
 
 
 def _start_lines(stderr: str) -> List[str]:
-    return [ln for ln in stderr.splitlines() if "[aiak_training INFO] engine " in ln]
+    return [ln for ln in stderr.splitlines() if "[aiak_training INFO] transport " in ln]
 
 
 def test_aiakrun_line_matches_check_build_and_log_level():

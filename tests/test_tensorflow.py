@@ -27,7 +27,6 @@ LAYOUTS = {
     "2ranks_one_interop_thread": ([2], False, {"TF_NUM_INTEROP_THREADS": "1"}),
     "4ranks": ([4], False, {}),
     "2x2_virtual_nodes": ([2, 2], True, {"AIAK_TEST_LAYOUT": "2,2"}),
-    "2ranks_python_engine": ([2], False, {"AIAK_ENGINE": "python"}),
 }
 
 

@@ -1,4 +1,5 @@
 """Runtime settings, read from Horovod's environment variables (AIAK_* only for new knobs)."""
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,12 +63,8 @@ class Config:
     # The watchdog's liveness probe: a small TCP listener per rank that lets the watchdog name
     # the peers that are gone.  AIAK_LIVENESS_PROBE.
     liveness_probe: bool = True
-    # Which engine runs the background loop: "native" (C++, csrc/engine/; MPI and Gloo jobs)
-    # or "python" (the fallback, kept for one release).  AIAK_ENGINE.
-    engine: str = "native"
-    # Gloo jobs (either engine) and the Python engine over MPI: after a cycle that ended with
-    # nothing of this rank's own in flight,
-    # the engine thread parks for up to this long (0: never), and a thread that waits on a handle
+    # Gloo jobs: after a cycle that ended with nothing of this rank's own in flight, the
+    # engine thread parks for up to this long (0: never), and a thread that waits on a handle
     # wakes it.  Each idle negotiation is a collective; over Gloo one costs hundreds of
     # microseconds and a wake-up of Gloo's worker thread, which on a busy host competes with
     # the training thread for the cores.  AIAK_IDLE_PARK_MS.
@@ -104,6 +101,23 @@ class Config:
             collective_timeout_s=env_float("AIAK_COLLECTIVE_TIMEOUT_SECONDS",
                                            cls.collective_timeout_s, minimum=0.0),
             liveness_probe=env_bool("AIAK_LIVENESS_PROBE", True),
-            engine=env_choice("AIAK_ENGINE", "native", ("native", "python")),
             idle_park_ms=env_float("AIAK_IDLE_PARK_MS", cls.idle_park_ms, minimum=0.0),
         )
+
+
+def removed_engine_choice() -> Optional[str]:
+    """The deprecation warning for ``AIAK_ENGINE=python``, or None.
+
+    ``AIAK_ENGINE`` chose between the C++ engine and a Python one until the Python engine was
+    removed: ``native`` (or unset) is accepted, ``python`` still starts (on the C++ engine)
+    with this warning for one release, and anything else is a ``ValueError``."""
+    raw = os.environ.get("AIAK_ENGINE", "")
+    choice = raw.strip().lower()
+    if choice in ("", "native"):
+        return None
+    if choice == "python":
+        return ("AIAK_ENGINE=python is deprecated and ignored: the Python engine was removed, "
+                "and the C++ engine runs every job (MPI and Gloo). Unset AIAK_ENGINE; it "
+                "will be an error in the next release.")
+    raise ValueError(f"AIAK_ENGINE={raw!r}: expected native (the only engine; the Python "
+                     "engine was removed).")

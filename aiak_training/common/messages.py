@@ -1,9 +1,9 @@
-"""What ranks tell each other during negotiation: requests in, responses out.
+"""What the frontends submit and what the lane executes: requests in, responses out.
 
-A Request describes one tensor that one rank has submitted; a Response is the coordinator's
-decision that a tensor is ready on every rank (or an error), and carries everything a rank
-needs to take part, including the per-rank shapes of allgather and the splits of alltoall.
-Both are small picklable tuples of plain values.
+A Request describes one tensor that this rank submits (the C++ engine negotiates it with the
+other ranks; csrc/engine/messages.h); a Response is the negotiated decision the C++ thread
+hands to the lane (runtime/engine.py), with everything this rank needs to take part,
+including the per-rank shapes of allgather and the splits of alltoall.
 """
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -38,7 +38,7 @@ class Request:
     so it is kept cheap)."""
 
     __slots__ = ("rank", "name", "op_type", "dtype", "shape", "reduce_op", "prescale",
-                 "postscale", "root", "splits", "payload", "device", "_signature")
+                 "postscale", "root", "splits", "payload", "device")
 
     def __init__(self, rank: int, name: str, op_type: OpType, dtype: int = 0,
                  shape: Tuple[int, ...] = (), reduce_op: int = 1, prescale: float = 1.0,
@@ -57,19 +57,6 @@ class Request:
         self.splits = splits            # alltoall send splits (rows per destination)
         self.payload = payload          # ranks, for process-set requests
         self.device = device            # CUDA device of the tensor, -1 for host memory
-        self._signature = (op_type, dtype, shape, reduce_op, prescale, postscale, root, splits,
-                           device >= 0)
-
-    def signature(self) -> tuple:
-        """Everything that must match for a cached response to be reused by this rank."""
-        return self._signature
-
-    def __getstate__(self):
-        return tuple(getattr(self, k) for k in self.__slots__)
-
-    def __setstate__(self, state):
-        for k, v in zip(self.__slots__, state):
-            setattr(self, k, v)
 
     def __repr__(self) -> str:
         return f"Request({self.name!r}, {OpType(self.op_type).name}, rank={self.rank})"
@@ -94,7 +81,7 @@ class Response:
     payload: Optional[Tuple[int, ...]] = None
     gpu: bool = False                                # the tensors are in GPU memory
 
-    # Computed on first use and kept: a cached response is executed again every step.
+    # Computed on first use and kept: the executor reads them several times per response.
     @cached_property
     def fusion_key(self) -> tuple:
         """Allreduce responses with equal keys can share one fusion buffer."""

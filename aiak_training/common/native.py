@@ -1,4 +1,4 @@
-"""The compiled engine kernels (csrc/native) and native engine (csrc/engine), loaded once."""
+"""The compiled kernels (csrc/native) and the engine's C++ core (csrc/engine), loaded once."""
 try:
     from aiak_training._native import (BadRequest, EngineCore, EngineStopped,  # noqa: F401
                                        HierNode, bf16_roundtrip, copy_batch, copy_scaled_batch,

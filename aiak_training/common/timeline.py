@@ -17,7 +17,7 @@ class Timeline:
         self._pids: Dict[str, int] = {}
         self._t0 = 0.0
         self.mark_cycles = False
-        # Told True/False when recording starts/stops (the native engine records its events
+        # Told True/False when recording starts/stops (the engine's C++ core records its events
         # only while someone listens).
         self.on_active: Optional[Callable[[bool], None]] = None
 

@@ -20,8 +20,7 @@ from typing import Dict, List, Optional, Sequence
 
 from aiak_training.runner.failure import RankFailure, read_records
 
-# Reasons the engines append to Horovod's shut-down message (runtime/controller.py and
-# csrc/engine/controller.cpp).
+# Reasons the engine appends to Horovod's shut-down message (csrc/engine/controller.cpp).
 PEER_SHUTDOWN = "another rank shut down"
 STALL_SHUTDOWN = "stalled tensors exceeded HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
 UNEVEN_HINT = ("the ranks ran different numbers of steps? Every rank must make the same "

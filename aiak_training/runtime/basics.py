@@ -15,13 +15,12 @@ from aiak_training.runtime import autotune as _autotune
 from aiak_training.common import build_info
 from aiak_training.common import exit_guard as _exit_guard
 from aiak_training.common import horovod_strings as hs
-from aiak_training.common.config import Config
+from aiak_training.common.config import Config, removed_engine_choice
 from aiak_training.common.env import env_bool
 from aiak_training.common.messages import OpType
 from aiak_training.runtime import current
 from aiak_training.runtime.current import engine, is_initialized  # noqa: F401 - re-exported
 from aiak_training.runtime.engine import Engine
-from aiak_training.runtime.native_engine import NativeEngine
 from aiak_training.runtime import startup_line as _startup_line
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.runtime.transport import gloo as _gloo
@@ -84,6 +83,9 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = N
             return
         config = Config.from_env()
         _configure_logging(config.log_level)
+        engine_warning = removed_engine_choice()
+        if engine_warning:
+            log.warning(engine_warning)
         use_gloo = _gloo.gloo_selected()
         if env_bool("HOROVOD_MPI_THREADS_DISABLE") and not use_gloo and \
                 MPI.Query_thread() == MPI.THREAD_MULTIPLE:
@@ -102,10 +104,9 @@ def init(comm=None, process_sets: Optional[Union[Sequence[ProcessSet], str]] = N
             static.append(ps.resolve_ranks(base))
         # Every rank checks the same list, so all refuse it together, before anything starts.
         _check_no_duplicates(list(process_sets or ()), static, base.Get_size())
-        engine_class = NativeEngine if config.engine == "native" else Engine
         if use_gloo:
-            engine_class = _gloo.engine_for_gloo(config, NativeEngine, Engine)
-        started = engine_class(base, config, static)
+            _gloo.configure(config)
+        started = Engine(base, config, static)
         started.start()
         current.install(started)
         _startup_line.announce_start(started)  # rank 0: engine, transport, algorithm, switches

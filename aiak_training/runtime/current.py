@@ -35,7 +35,7 @@ def engine() -> "Engine":
             # the job failed or another rank shut down.  Every later operation fails as the
             # pending ones did, as in Horovod, until shutdown() and init().
             from aiak_training.common.exceptions import HorovodInternalError
-            raise HorovodInternalError(getattr(current, "_fatal", None) or hs.SHUT_DOWN)
+            raise HorovodInternalError(current.failure or hs.SHUT_DOWN)
         raise ValueError(hs.NOT_INITIALIZED)
     return current
 

@@ -30,15 +30,18 @@ Transports, agreed by all ranks of a process set on its first GPU response:
 import logging
 import socket
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 from aiak_training.allreduce.hier_nccl import (Reduction, hier_chunk_bytes, hier_overlap,
                                                nccl_hier_allreduce)
+from aiak_training.common.config import Config
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp
 from aiak_training.common.gpu import kernels, nccl
 from aiak_training.common.gpu.cudart import runtime
 from aiak_training.common.messages import OpType, Response
+from aiak_training.runtime.completion import Completer
 from aiak_training.runtime.entries import SetState, TensorEntry
+from aiak_training.runtime.host_collectives import HostCollectives
 from aiak_training.runtime.layouts import (allgather_layout, alltoall_layout, average_postscale,
                                            reducescatter_layout)
 
@@ -88,7 +91,7 @@ class _HostBuffer:
 
 
 class _StagedEntry:
-    """A host stand-in for a GPU entry, for the CPU executor's MPI code."""
+    """A host stand-in for a GPU entry, for the host collectives."""
     __slots__ = ("name", "dtype", "shape", "in_addr", "out_addr", "allocate", "count", "nbytes")
 
     def __init__(self, e: TensorEntry, in_addr: int, out_addr: int, allocate):
@@ -138,11 +141,14 @@ FUSION_ALIGN = 16  # bytes between tensors in the device fusion buffer
 
 
 class GpuExecutor:
-    def __init__(self, cpu):
-        """``cpu`` is the engine's CPU executor: its MPI code serves the staged path."""
-        self.cpu = cpu
-        self.completer = cpu.completer
-        self.config = cpu.config
+    def __init__(self, host: HostCollectives, completer: Completer, config: Config,
+                 join_device: Callable[[], int]):
+        """``host`` runs the staged path's transfers on pinned host copies; ``join_device()``
+        is the CUDA device ``hvd.join`` named (-1 if none), where a joined rank's zeros go."""
+        self.host = host
+        self.completer = completer
+        self.config = config
+        self.join_device = join_device
         self.rt = runtime()
         self._streams: Dict[Tuple[int, int], int] = {}
         self._sets: Dict[int, _SetContext] = {}
@@ -237,7 +243,7 @@ class GpuExecutor:
         """This rank's device: from its tensors, else the one hvd.join() named."""
         if self._device >= 0:
             return self._device
-        join_device = self.cpu.join_device()
+        join_device = self.join_device()
         if join_device >= 0:
             return join_device
         return self.rt.get_device()
@@ -412,7 +418,7 @@ class GpuExecutor:
             host = self._stage_in.get(sum(sizes))
             offsets = pack(self.rt, host, [e.in_addr for e in entries], sizes, stream)
             self.rt.stream_synchronize(stream)
-            self.cpu.reduce_host(state, names, host, sum(sizes) // ITEMSIZE[dtype], dtype, op,
+            self.host.reduce_host(state, names, host, sum(sizes) // ITEMSIZE[dtype], dtype, op,
                                  pre, post)
             unpack(self.rt, [e.out_addr for e in entries], offsets, sizes, stream)
             self._stage_in.release_after(stream)
@@ -428,7 +434,7 @@ class GpuExecutor:
         host = self._stage_in.get(total)
         self.rt.memcpy_async(host, base, total, stream)
         self.rt.stream_synchronize(stream)
-        self.cpu.reduce_host(state, names, host, total // ITEMSIZE[dtype], dtype, op, pre, post)
+        self.host.reduce_host(state, names, host, total // ITEMSIZE[dtype], dtype, op, pre, post)
         self.rt.memcpy_async(base, host, total, stream)
         self._device_copy([e.out_addr for e in entries], slots, sizes, stream)
         self._stage_in.release_after(stream)
@@ -513,7 +519,7 @@ class GpuExecutor:
         return out_shape
 
     def _staged_single(self, state, resp: Response, e, stream: int):
-        """Copy the input to pinned memory, run the CPU executor's MPI code on it, copy the
+        """Copy the input to pinned memory, run the host collective on it, copy the
         output back to the device."""
         host_in = self._stage_in.get(e.nbytes)
         self.rt.memcpy_async(host_in, e.in_addr, e.nbytes, stream)
@@ -528,7 +534,7 @@ class GpuExecutor:
             staged_out.append((shape, addr, n * ITEMSIZE[e.dtype]))
             return addr
         proxy = _StagedEntry(e, host_in, host_in, allocate)
-        result = self.cpu.run_single(state, resp, proxy)
+        result = self.host.run_single(state, resp, proxy)
         if resp.op_type == OpType.BROADCAST:
             self.rt.memcpy_async(e.out_addr, host_in, e.nbytes, stream)
         else:

@@ -2,7 +2,7 @@
 
 Switches such as ``aiakrun --overlap-update`` or ``--fused-optimizer`` act far from where
 they are set (in the optimizer wrapper, at its first step), so a job gave no sign that they
-took effect.  At ``hvd.init()`` rank 0 therefore states, in one line: the engine, the
+took effect.  At ``hvd.init()`` rank 0 therefore states, in one line: the
 transport (and the MPI library), the GPU transport CUDA tensors would really take (the same
 answer as ``aiakrun --check-build``), the allreduce algorithm of the global set and why it was
 chosen, and every acceleration that is on with what switched it on (an aiakrun flag sets the
@@ -104,18 +104,17 @@ def accelerations(environ=None) -> List[str]:
 
 def describe(engine) -> str:
     """The start-up line for a running engine (see the module docstring)."""
-    parts = [f"engine {getattr(engine, 'kind', type(engine).__name__)}"]
     topology = engine.topology
     transport = getattr(getattr(topology, "comm", None), "transport", "mpi")
     if transport == "gloo":
-        parts.append("transport Gloo")
+        parts = ["transport Gloo"]
     else:
-        parts.append(f"transport MPI ({_mpi_library()})")
+        parts = [f"transport MPI ({_mpi_library()})"]
     parts.append(f"GPU collectives {_gpu_transport_part(engine.config)}")
     on: List[str] = []
     try:
         name, why = resolve_algorithm(engine.config, topology, is_global=True)
-        state = getattr(engine, "_sets", {}).get(0)
+        state = engine.sets.get(0)
         actual = getattr(getattr(state, "algorithm", None), "name", None) or name
         parts.append(f"allreduce {actual} ({why}; {topology.num_nodes} node(s), "
                      f"{topology.size} rank(s))")

@@ -416,7 +416,7 @@ class Watchdog:
     def _watch(self) -> None:
         timeout = self.timeout_s
         # A cycle's age includes the idle sleep before the next one (HOROVOD_CYCLE_TIME, or
-        # the Python engine's idle park).
+        # a Gloo job's idle park).
         cfg = self._engine.config
         allowance = timeout + max(cfg.cycle_time_ms, cfg.idle_park_ms) / 1000.0
         poll = min(1.0, max(0.1, timeout / 10))

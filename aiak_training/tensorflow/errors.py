@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from aiak_training.common.exceptions import HorovodInternalError
 
-# How the coordinator's negotiation errors begin (runtime/controller.py): the ranks
+# How the coordinator's negotiation errors begin (csrc/engine/controller.cpp): the ranks
 # submitted the same name with different requests, or an op that joined ranks cannot do.
 _NEGOTIATION_ERRORS = ("Mismatched ", "Tensor ")
 

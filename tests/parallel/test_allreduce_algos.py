@@ -200,7 +200,7 @@ def test_algo_rejects_unsupported_op_then_still_works(algos, topo):
 
 # ---- through the engine ------------------------------------------------------------------------
 def engine_algorithm_name() -> str:
-    algo = current.engine()._sets[0].algorithm
+    algo = current.engine().sets.get(0).algorithm
     return getattr(algo, "name", "flat")
 
 

@@ -1,4 +1,4 @@
-"""The native engine's C ABI (aiak_engine_enqueue / _wait / _poll), called through ctypes as
+"""The engine's C ABI (aiak_engine_enqueue / _wait / _poll), called through ctypes as
 a non-Python frontend would call it, beside the Python API on the same engine.
 
 Every rank prints "c abi checks passed" at the end; any failed check raises.

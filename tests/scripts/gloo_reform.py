@@ -15,7 +15,6 @@ ROUNDS = [3, 2, 3, 1, 2]  # world sizes, in order (ranks >= size sit a round out
 def worker(rank: int, port: int) -> None:
     import torch
     import aiak_training.torch as hvd
-    from aiak_training.runtime import current
     from aiak_training.runtime.transport import WorldInfo, set_world_source
 
     for round_no, size in enumerate(ROUNDS):
@@ -28,7 +27,6 @@ def worker(rank: int, port: int) -> None:
         hvd.init(process_sets="dynamic")
         assert (hvd.rank(), hvd.size()) == (rank, size), (hvd.rank(), hvd.size(), size)
         assert hvd.gloo_enabled() and not hvd.mpi_enabled()
-        assert current.engine().kind == "native"  # the C++ engine drives Gloo too
         got = hvd.allreduce(torch.full((5,), float(rank + 1)), op=hvd.Sum, name="x")
         assert torch.equal(got, torch.full((5,), float(size * (size + 1) // 2))), got
         gathered = hvd.allgather(torch.full((rank + 1,), rank, dtype=torch.int64), name="g")
@@ -50,7 +48,7 @@ def worker(rank: int, port: int) -> None:
 def driver(n: int) -> int:
     from aiak_training.runtime.transport import start_rendezvous_server
     store, port = start_rendezvous_server("127.0.0.1", 0)
-    env = dict(os.environ, AIAK_ENGINE="native", HOROVOD_LOG_LEVEL="INFO")
+    env = dict(os.environ, HOROVOD_LOG_LEVEL="INFO")
     env.pop("HOROVOD_CONTROLLER", None)  # the world source alone selects Gloo
     procs = [subprocess.Popen([sys.executable, __file__, "worker", str(r), str(port)], env=env)
              for r in range(n)]

@@ -1,5 +1,5 @@
-"""Per-rank check of the idle park (AIAK_IDLE_PARK_MS) of the Python engine
-(runtime/engine.py), and of the native engine over Gloo (csrc/engine/engine.cpp).
+"""Per-rank check of the idle park (AIAK_IDLE_PARK_MS) of the engine over Gloo
+(csrc/engine/engine.cpp).
 
 While no rank has anything in flight, the engine negotiates at most once per park; a thread
 that waits on a handle wakes a parked engine, so operations do not wait the park out.
@@ -10,22 +10,12 @@ import time
 import torch
 
 import aiak_training.torch as hvd
-from aiak_training.runtime import controller
 from aiak_training.runtime.transport.gloo_calls import GlooCalls
 
 negotiations = [0]
-_negotiate = controller.Controller.negotiate
 
-
-def _counting(self, *args, **kwargs):
-    negotiations[0] += 1
-    return _negotiate(self, *args, **kwargs)
-
-
-controller.Controller.negotiate = _counting
-
-# The native engine negotiates in C++; over Gloo each negotiation makes one allreduce call
-# into GlooCalls (the bit vector), which idle cycles make and nothing else does.
+# The engine negotiates in C++; over Gloo each negotiation makes one allreduce call into
+# GlooCalls (the bit vector), which idle cycles make and nothing else does.
 _gloo_allreduce = GlooCalls.allreduce
 
 

@@ -5,9 +5,8 @@ allreduce algorithm.
 
 The response cache cannot simply be flipped by the training thread: the engine thread reads
 it while it classifies requests and feeds it as responses complete.  So the switch is handed
-to the engine thread (``Controller.request_cache`` in the Python engine, the ``cache_switch``
-atomic of the native one), which takes it at the top of its next negotiation, before it
-classifies the requests it just dequeued.  Autotune asks for it at a step boundary before the
+to the engine thread (the ``cache_switch`` atomic of the C++ core), which takes it at the top
+of its next negotiation, before it classifies the requests it just dequeued.  Autotune asks for it at a step boundary before the
 step's first tensor is queued, when nothing of the global set is pending on any rank, so every
 rank classifies exactly the previous step's tensors under the old state and the next step's
 under the new one.  Off empties the cache (its capacity, the size of the bit vectors every
@@ -105,16 +104,12 @@ def current_setting(engine) -> Setting:
     cfg = engine.config
     cache = getattr(engine, "autotune_cache_enabled", cfg.cache_capacity > 0)
     return Setting(int(cfg.fusion_threshold), float(cfg.cycle_time_ms),
-                   algorithm_name(engine._sets[0].algorithm), cache)
+                   algorithm_name(engine.sets.get(0).algorithm), cache)
 
 
 def _switch_cache(engine, on: bool) -> None:
     """Hand the cache switch to the engine thread (see the module docstring)."""
-    core = getattr(engine, "core", None)
-    if core is not None:
-        core.cache_switch = int(on)      # the native engine's global set
-    else:
-        engine._sets[0].controller.request_cache(on)
+    engine.core.cache_switch = int(on)      # for the global set
     engine.autotune_cache_enabled = on
 
 
@@ -123,10 +118,10 @@ def apply_setting(engine, setting: Setting) -> None:
     with none of the global set's allreduces in flight (see tuner.py)."""
     cfg = engine.config
     if cfg.fusion_threshold != setting.fusion_threshold:
-        cfg.fusion_threshold = setting.fusion_threshold   # the native engine hears of it
+        cfg.fusion_threshold = setting.fusion_threshold   # the engine's core hears of it
     if cfg.cycle_time_ms != setting.cycle_time_ms:
         cfg.cycle_time_ms = setting.cycle_time_ms
-    if engine.algorithms and algorithm_name(engine._sets[0].algorithm) != setting.algorithm:
+    if engine.algorithms and algorithm_name(engine.sets.get(0).algorithm) != setting.algorithm:
         engine.set_allreduce_algorithm(setting.algorithm)
     if current_setting(engine).cache_enabled != setting.cache_enabled:
         if setting.cache_enabled and cfg.cache_capacity <= 0:

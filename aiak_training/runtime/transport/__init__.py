@@ -1,8 +1,9 @@
 """The engine's transport: the one interface negotiation and data movement talk through.
 
-The engine (``runtime/engine.py``), negotiation (``runtime/controller.py``), the executor
-(``runtime/executor.py``), the topology (``common/topology.py``), the flat allreduce and the
-watchdog use a communicator object with exactly the methods of :class:`Comm` below, named and
+The engine (``runtime/engine.py`` and, through ``gloo_calls.py``, the C++ negotiation of
+``csrc/engine/``), the executors (``runtime/executor.py``, ``runtime/host_collectives.py``),
+the topology (``common/topology.py``), the flat allreduce and the watchdog use a
+communicator object with exactly the methods of :class:`Comm` below, named and
 called as in mpi4py.  Two implementations:
 
 * **MPI**: an ``mpi4py.MPI.Comm`` itself.  Nothing is wrapped, so the MPI path costs what it

@@ -277,15 +277,13 @@ def base_communicator(comm: Any = None) -> "GlooComm":
     return form_world()
 
 
-def engine_for_gloo(config: Any, native_class: type, python_class: type) -> type:
-    """The engine class for a Gloo world: the native engine, whose C++ thread runs Gloo's
-    collectives through :mod:`.gloo_calls`, unless ``AIAK_ENGINE=python`` asks for the other."""
+def configure(config: Any) -> None:
+    """The settings a Gloo world changes before the engine starts."""
     if not os.environ.get("AIAK_ZERO_COPY_BYTES", "").strip():
         # A Gloo call costs far more than an MPI call (a work object, a hand-off to Gloo's
         # thread, a wait), while copying into the fusion buffer runs at memory speed: pack
         # large tensors too, unless the user chose a threshold.
         config.zero_copy_bytes = GLOO_ZERO_COPY_BYTES
-    return python_class if config.engine == "python" else native_class
 
 
 def release(comm: Any) -> None:

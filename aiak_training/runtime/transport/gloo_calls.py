@@ -50,7 +50,7 @@ class GlooCalls:
 
     @staticmethod
     def config() -> Dict[str, Any]:
-        """The handle values of the engine's configuration (see native_engine._mpi_config)."""
+        """The handle values of the engine's configuration (see engine._core_config)."""
         out = {word.upper(): index for index, word in enumerate(OP_WORDS)}
         out.update(UINT64_T=UINT64, INT32_T=int(DataType.INT32), INT64_T=int(DataType.INT64),
                    BYTE=int(DataType.UINT8), dtypes=[int(d) for d in DataType])
