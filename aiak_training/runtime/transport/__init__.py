@@ -16,7 +16,7 @@ Keeping mpi4py's calling convention (buffer specs ``[buffer, count, datatype]``,
 sets, the timeline and error reporting stay one implementation; only what is below this
 interface differs.  Which transport ``hvd.init()`` uses is decided by :func:`gloo_selected`.
 """
-from typing import Any, List, Mapping, Optional, Protocol, Sequence
+from typing import Any, List, Optional, Protocol, Sequence
 
 from aiak_training.runtime.transport.gloo import (WorldInfo, gloo_selected,  # noqa: F401
                                                   set_world_source, start_rendezvous_server,
@@ -85,7 +85,3 @@ def transport_name(comm: Any) -> str:
     """``"gloo"`` or ``"mpi"``: which implementation ``comm`` is."""
     return getattr(comm, "transport", "mpi")
 
-
-def controller_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``"gloo"`` or ``"mpi"``: the transport the next ``hvd.init()`` would use."""
-    return "gloo" if gloo_selected(environ) else "mpi"

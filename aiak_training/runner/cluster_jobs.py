@@ -1,9 +1,9 @@
 """What the Ray and Spark front ends share: rank layout, worker environment, pickling checks.
 
-Both engines place the workers themselves, so the launcher's job shrinks to three things done
-here: give ranks of one host contiguous numbers (the Gloo transport requires it and hierarchical
+Both cluster frameworks place the workers themselves, so the launcher's job shrinks to three
+things done here: give ranks of one host contiguous numbers (the Gloo transport requires it and hierarchical
 allreduce relies on it), compute each rank's Horovod environment from where the workers landed,
-and start the rendezvous store that the ranks meet at.  Workers of these engines cannot form
+and start the rendezvous store that the ranks meet at.  Workers of these clusters cannot form
 an MPI world (no mpirun started them), so they always use the Gloo mode.
 """
 from __future__ import annotations
