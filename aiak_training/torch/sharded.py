@@ -8,17 +8,22 @@ gradients reduce-scattered as in stage 2):
   concatenation of its parameters, padded to a multiple of N; rank r owns its r-th contiguous
   slice (the *shard*), so every rank holds the same number of bytes, to N - 1 elements;
 * when every gradient of a bucket is ready in backward (after ``backward_passes_per_step``
-  passes), they are copied into one flat buffer, the full gradients are freed
-  (``p.grad = None``) and the buffer is reduce-scattered by the engine (``op`` Average or Sum,
-  with ``gradient_predivide_factor``) straight into the shard's gradient buffer.  At most
-  ``REDUCES_IN_FLIGHT`` run at once, so only that many flat copies exist; they are reused;
+  passes), the bucket is reduce-scattered by the engine (``op`` Average or Sum, with
+  ``gradient_predivide_factor``) straight into the shard's gradient buffer.  With bounded
+  gradients (``AIAK_SHARD_GRADIENTS``, the default) the gradients are copied into one flat
+  buffer and freed (``p.grad = None``); at most ``REDUCES_IN_FLIGHT`` run at once, so only
+  that many flat copies exist, and they are reused.  With flat gradients each bucket also
+  owns a gradient buffer, every ``p.grad`` is a view of it, and it is reduce-scattered in
+  place (no copy where autograd accumulated into the view; all the gradients' memory kept);
 * ``step()`` runs the wrapped optimizer on the shard only: each param group's ``params`` is
   replaced, for the call, by *pieces*, views of this rank's shard buffer, one per parameter
   (part) it holds, with views of the reduced shard gradient as ``.grad``.  The optimizer's
   state is keyed by the pieces, so it exists for the shard only;
-* each bucket's updated shard is then allgathered and copied back into the parameters, at
-  most ``GATHERS_IN_FLIGHT`` buckets at once, into reused buffers (``sharded_io.py``: nothing
-  comes from the output pool, so the memory the strategy frees is not kept for reuse).
+* each bucket's updated shard is then allgathered straight into the parameters: a bucket
+  owns its parameters' storage (one flat buffer, each ``p.data`` a view of it), so the
+  allgather needs no buffer and nothing is copied back.  Collectives write into memory the
+  strategy owns (``sharded_io.py``): nothing comes from the output pool, so the memory the
+  strategy frees is not kept for reuse.
 
 Only optimizers that update every element from that element's gradient and state are
 accepted (the ``torch.optim`` classes listed in ``overlap.py`` and FusedSGD/FusedAdam/
@@ -49,7 +54,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.common.env import env_bytes
+from aiak_training.common.env import env_bytes, env_choice
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.torch import overlap as _overlap
 from aiak_training.torch.mpi_ops import (Average, Sum, allgather_async, allreduce, poll, rank,
@@ -61,10 +66,12 @@ log = logging.getLogger("aiak_training")
 
 BUCKET_ENV_VAR = "AIAK_SHARD_BUCKET_BYTES"
 DEFAULT_BUCKET_BYTES = 16 << 20
-# Allgathers of updated buckets in flight at once: each holds a gathered bucket (up to the
-# bucket size), so this bounds that memory, while two keep the next one's transfer going
-# during the copy of the last one into the parameters.
-GATHERS_IN_FLIGHT = 2
+# Where the full gradients live until their reduce-scatter (docs/sharded-optimizer.md):
+# "bounded" copies each bucket's into one of a few reused buffers and frees them (memory:
+# a few buckets); "flat" keeps one gradient buffer per bucket, each ``p.grad`` a view of it,
+# reduce-scattered in place (memory: all the gradients, as dense; faster).
+GRADIENTS_ENV_VAR = "AIAK_SHARD_GRADIENTS"
+GRADIENT_MODES = ("bounded", "flat")
 # Reduce-scatters in flight at once in backward: each holds a flat copy of a bucket's
 # gradients (up to the bucket size).  Without a bound, backward outruns the engine and holds
 # nearly every bucket's copy, as much memory as the dense gradients.
@@ -121,10 +128,14 @@ def _per_element(key: str, value: Any, p: torch.Tensor) -> bool:
 
 
 class _Bucket:
-    """Consecutive parameters reduced together, and this rank's shard of them."""
+    """Consecutive parameters reduced together, and this rank's shard of them.
+
+    The bucket owns its parameters' storage: ``flat`` is their flat concatenation (padded to
+    a multiple of N) and each parameter's ``.data`` is a view of its slice, so the allgather
+    of the updated shards writes the parameters in place, with no copy back."""
 
     def __init__(self, index: int, group: int, params: List[torch.Tensor], name: str,
-                 nranks: int, me: int):
+                 nranks: int, me: int, flat_grads: bool):
         self.group = group
         self.params = params
         self.name = f"sharded.{index}.{name}"
@@ -134,10 +145,27 @@ class _Bucket:
             total += p.numel()
         self.shard = max(1, -(-total // nranks))
         self.padded = self.shard * nranks
-        lo = me * self.shard
+        self.lo = lo = me * self.shard
         first = params[0]
+        self.flat = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        self.views: List[torch.Tensor] = []
+        with torch.no_grad():
+            for p, off in zip(params, self.offsets):
+                view = self.flat[off:off + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+                self.views.append(view)
+        # The shard's working copy that the optimizer steps (the allgather's input: MPI
+        # wants it apart from the output), and the shard's reduced gradient.
         self.weights = torch.zeros(self.shard, dtype=first.dtype, device=first.device)
         self.grad = torch.zeros_like(self.weights)
+        # "flat" gradients: the bucket's gradient buffer and each parameter's view of it.
+        self.flat_grad: Optional[torch.Tensor] = None
+        self.grad_view_of: Dict[torch.Tensor, torch.Tensor] = {}
+        if flat_grads:
+            self.flat_grad = torch.zeros_like(self.flat)
+            self.grad_view_of = {p: self.flat_grad[off:off + p.numel()].view_as(p)
+                                 for p, off in zip(params, self.offsets)}
         self.ready = 0
         # Parameters whose gradient was missing when the bucket was last reduced.
         self.missing: set = set()
@@ -150,12 +178,52 @@ class _Bucket:
                 piece.grad = self.grad[a - lo:b - lo]
                 self.pieces.append((p, a - off, b - off, piece))
 
-    def load_pieces(self) -> None:
-        """Copy the parameters' current values into the shard (the user may have changed
-        them: broadcast_parameters, a loaded checkpoint)."""
-        with torch.no_grad():
-            for p, a, b, piece in self.pieces:
-                piece.copy_(p.detach().reshape(-1)[a:b])
+    def reattach(self, names: Dict[torch.Tensor, str]) -> None:
+        """Make every parameter a view of ``flat`` again where the user replaced its
+        ``.data`` (``p.data = t``, ``model.to()`` to another dtype or device), keeping the
+        value it now has."""
+        for p, view in zip(self.params, self.views):
+            if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype \
+                    and p.device == view.device:
+                continue
+            if (p.dtype, p.device, p.shape) != (view.dtype, view.device, view.shape):
+                raise ValueError(
+                    f"shard_optimizer_state=True: parameter {names.get(p)} changed from "
+                    f"{view.dtype} {tuple(view.shape)} on {view.device} to {p.dtype} "
+                    f"{tuple(p.shape)} on {p.device} after the optimizer was built; move or "
+                    "convert the model (model.to()) before building the DistributedOptimizer.")
+            with torch.no_grad():
+                view.copy_(p.detach())
+            p.data = view
+
+    def load_weights(self) -> None:
+        """Copy this rank's slice of the parameters into the shard (the user may have changed
+        them since the last allgather: broadcast_parameters, a loaded checkpoint)."""
+        self.weights.copy_(self.flat[self.lo:self.lo + self.shard])
+
+    def adopt_gradient(self, p: torch.Tensor) -> None:
+        """("flat" mode) Make ``p.grad`` its view of the gradient buffer, copying the value in
+        where autograd put it in a tensor of its own (``p.grad`` was None: ``zero_grad()``'s
+        default).  Called as soon as the gradient is accumulated, so that tensor is freed at
+        once and the allocator reuses its memory for the next one (held until the bucket is
+        ready, the pages went back to the system and were faulted in again every step), and
+        later backward passes accumulate into the buffer in place."""
+        view = self.grad_view_of[p]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(p.grad)
+            p.grad = view
+
+    def gradients_in_place(self) -> torch.Tensor:
+        """("flat" mode) The bucket's gradient buffer holding its gradients: zeros where a
+        gradient is missing (``p.grad`` stays None, as with the dense optimizer)."""
+        assert self.flat_grad is not None
+        for p, view in self.grad_view_of.items():
+            if p.grad is None:
+                view.zero_()
+            else:
+                self.adopt_gradient(p)  # a gradient set by hand since backward
+        return self.flat_grad
 
     def flat_gradient(self, flat: torch.Tensor) -> torch.Tensor:
         """The bucket's gradients copied into the padded buffer ``flat`` (zeros where a
@@ -168,12 +236,6 @@ class _Bucket:
                 part.zero_()
         flat[self.offsets[-1] + self.params[-1].numel():].zero_()
         return flat
-
-    def scatter_back(self, full: torch.Tensor) -> None:
-        """Write the allgathered bucket ``full`` into the parameters."""
-        with torch.no_grad():
-            for p, off in zip(self.params, self.offsets):
-                p.copy_(full[off:off + p.numel()].view_as(p))
 
 
 class ShardedStrategy(DistributedWrapper):
@@ -201,6 +263,7 @@ class ShardedStrategy(DistributedWrapper):
                                       "process_set must be the global process set.")
         self.gradient_predivide_factor = gradient_predivide_factor
         self._consolidated: Optional[Dict[str, Any]] = None
+        self._flat_grads = env_choice(GRADIENTS_ENV_VAR, "bounded", GRADIENT_MODES) == "flat"
         self._buckets = self._make_buckets(env_bytes(BUCKET_ENV_VAR, DEFAULT_BUCKET_BYTES, 1))
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         for p in self._bucket_of:
@@ -211,16 +274,14 @@ class ShardedStrategy(DistributedWrapper):
         if base in _norm_hooked_classes():
             row = {p: i for i, p in enumerate(self._bucket_of)}  # bucket order, on every rank
             self._lamb_rows = {piece: row[p] for b in self._buckets for p, _, _, piece in b.pieces}
-        # Allgathers started by step() and not yet written into the parameters (handle,
-        # buffer), those not started yet (in _gather_order), and the module hooks that wait
-        # for them (overlap_allgather).
-        self._gathers: Dict[_Bucket, Tuple[Any, torch.Tensor]] = {}
-        self._unstarted: List[_Bucket] = []
+        # Allgathers started by step() and not yet waited for (their handles, in the order
+        # they were started, _gather_order), and the module hooks that wait for them
+        # (overlap_allgather).
+        self._gathers: Dict[_Bucket, Any] = {}
         self._gather_order: List[_Bucket] = list(self._buckets)
         self._model_hooks: List[Any] = []
-        # Reduce-scatter inputs and gather outputs, reused from step to step (sharded_io.py).
-        # Kept between steps: enough for the reduce-scatters in flight plus the one starting,
-        # which the allgathers then reuse.
+        # Reduce-scatter inputs, reused from step to step (sharded_io.py): enough for the
+        # reduce-scatters in flight plus the one starting.
         self._buffers = BufferCache(REDUCES_IN_FLIGHT + 1)
         # Every buffer is as large as the largest bucket of its dtype and device, so that
         # any of them serves any bucket.
@@ -246,7 +307,7 @@ class ShardedStrategy(DistributedWrapper):
                 for p in kinds[key] + [None]:
                     if run and (p is None or nbytes + p.numel() * p.element_size() > limit):
                         buckets.append(_Bucket(len(buckets), gi, run, name_of(run[0]),
-                                               size(), rank()))
+                                               size(), rank(), self._flat_grads))
                         run, nbytes = [], 0
                     if p is not None:
                         run.append(p)
@@ -256,7 +317,7 @@ class ShardedStrategy(DistributedWrapper):
     # ---- backward: reduce-scatter each bucket once all its gradients are in -----------------
     def _gradient_ready(self, p: torch.Tensor) -> None:
         bucket = self._bucket_of[p]
-        if bucket in self._gathers or bucket in self._unstarted:
+        if bucket in self._gathers:
             self.wait_for_parameters()  # leave the model consistent before failing
             raise RuntimeError(STALE_READ.format(self._parameter_names.get(p)))
         if self._allreduce_delay[p] <= 0:
@@ -265,6 +326,8 @@ class ShardedStrategy(DistributedWrapper):
             raise ValueError(f"shard_optimizer_state=True: the gradient of "
                              f"{self._parameter_names.get(p)} is sparse (e.g. "
                              "Embedding(sparse=True)); sharding needs dense gradients.")
+        if self._flat_grads:
+            bucket.adopt_gradient(p)
         self._allreduce_delay[p] -= 1
         self._handles.setdefault(bucket, (None, None))
         if self._allreduce_delay[p] == 0:
@@ -277,12 +340,20 @@ class ShardedStrategy(DistributedWrapper):
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError(f"shard_optimizer_state=True: the gradient of "
                                  f"{self._parameter_names.get(p)} is sparse.")
+        bucket.missing = {p for p in bucket.params if p.grad is None}
+        pre, post = self._scale_factors()
+        if self._flat_grads:
+            # Reduced in place from the bucket's own buffer: no copy (unless autograd put a
+            # gradient elsewhere), nothing to bound.
+            handle = reducescatter_into(bucket.gradients_in_place(), bucket.grad, bucket.name,
+                                        self.op, pre, post, self.process_set)
+            self._handles[bucket] = (handle, None)
+            bucket.ready = 0
+            return
         buf = self._take_buffer(bucket)
         flat = bucket.flat_gradient(buf[:bucket.padded])
-        bucket.missing = {p for p in bucket.params if p.grad is None}
         for p in bucket.params:
             p.grad = None  # reduced from here on: the full gradient is not kept
-        pre, post = self._scale_factors()
         # The result goes straight into the shard's gradient buffer: nothing is pooled.
         handle = reducescatter_into(flat, bucket.grad, bucket.name, self.op, pre, post,
                                     self.process_set)
@@ -310,7 +381,7 @@ class ShardedStrategy(DistributedWrapper):
                                 REDUCES_IN_FLIGHT)
                     return
                 time.sleep(pause)
-                pause = min(2 * pause, 5e-3)
+                pause = min(2 * pause, 1e-3)  # each wait overshoots by at most this
             self._finish_reduce(bucket, handle, flat)
 
     def _take_buffer(self, bucket: _Bucket) -> torch.Tensor:
@@ -327,15 +398,18 @@ class ShardedStrategy(DistributedWrapper):
             if handle is not None and handle is not _REDUCED and poll(handle):
                 self._finish_reduce(bucket, handle, flat)
 
-    def _finish_reduce(self, bucket: _Bucket, handle: Any, buf: torch.Tensor) -> None:
+    def _finish_reduce(self, bucket: _Bucket, handle: Any, buf: Optional[torch.Tensor]
+                       ) -> None:
         synchronize(handle)  # wrote bucket.grad
-        self._buffers.give(buf)
+        if buf is not None:
+            self._buffers.give(buf)
         self._handles[bucket] = (_REDUCED, None)  # still pending for zero_grad's check
 
     def synchronize(self) -> None:
         """Finish every bucket's reduce-scatter (starting those backward did not), leaving
         this rank's shard of the reduced gradient for ``step()``.  The model's ``p.grad`` are
-        None afterwards: use :meth:`clip_grad_norm_` to clip."""
+        then None (bounded gradients) or this rank's own unreduced gradients (flat ones):
+        use :meth:`clip_grad_norm_` to clip."""
         self.wait_for_parameters()
         for bucket in self._buckets:  # the same order on every rank
             handle, _ = self._handles.get(bucket, (None, None))
@@ -396,46 +470,39 @@ class ShardedStrategy(DistributedWrapper):
                 loss = closure()
         self._synchronize_for_step()
         for b in self._buckets:
-            b.load_pieces()
+            b.reattach(self._parameter_names)
+            b.load_weights()
         with self._on_shard():
             if self._lamb_rows is None:
                 self._wrapped_step()
             else:
                 from aiak_training.torch.sharded_lamb import step_on_pieces
                 step_on_pieces(self, self._lamb_rows, len(self._bucket_of), "sharded.lamb")
-        self._unstarted = list(self._gather_order)
-        self._start_gathers()
+        # Every bucket's allgather starts now, in the same order on every rank.  Each writes
+        # straight into its parameters' storage, so none needs a buffer and nothing bounds
+        # how many run at once.
+        for b in self._gather_order:
+            self._gathers[b] = allgather_into(b.weights, b.flat, f"{b.name}.gather",
+                                              self.process_set)
         self._consolidated = None
         if not self._model_hooks:
             self.wait_for_parameters()
         return loss
 
     # ---- the allgather overlapping the next forward pass ------------------------------------
-    def _start_gathers(self) -> None:
-        """Start the next allgathers of ``_gather_order`` until GATHERS_IN_FLIGHT run."""
-        while self._unstarted and len(self._gathers) < GATHERS_IN_FLIGHT:
-            b = self._unstarted.pop(0)
-            buf = self._take_buffer(b)
-            self._gathers[b] = (allgather_into(b.weights, buf, f"{b.name}.gather",
-                                               self.process_set), buf)
-
     def _wait(self, buckets: Iterable[_Bucket]) -> None:
-        """Write the allgathered values of ``buckets`` not yet written into the parameters.
-
-        Every rank starts the allgathers in the same order (``_gather_order``) and waits only
-        for ones it started, oldest first, so a rank never waits for one another rank has not
-        started: no deadlock, whatever order the forward pass asks in."""
+        """Wait until the allgathers of ``buckets`` (those still pending) have written the
+        parameters.  Every rank started all of them in ``step()``, so waiting for any one,
+        in any order, never waits for a rank that has not got there: no deadlock, whatever
+        order the forward pass asks in."""
         for b in buckets:
-            while b in self._gathers or b in self._unstarted:
-                oldest = next(iter(self._gathers))
-                handle, buf = self._gathers.pop(oldest)
-                oldest.scatter_back(synchronize(handle))
-                self._buffers.give(buf)
-                self._start_gathers()
+            handle = self._gathers.pop(b, None)
+            if handle is not None:
+                synchronize(handle)
 
     def _pending_gathers(self) -> List[_Bucket]:
-        """Buckets whose updated values are not in the parameters yet (started or not)."""
-        return list(self._gathers) + self._unstarted
+        """Buckets whose updated values are not all in the parameters yet."""
+        return list(self._gathers)
 
     def wait_for_parameters(self) -> None:
         """Wait until the parameters hold the values of the last ``step()``.  Every method of

@@ -144,9 +144,16 @@ def make(kind, shard, op=hvd.Average, passes=1, double_head=False, **kw):
     return model, opt
 
 
+@pytest.fixture(params=sharded.GRADIENT_MODES)
+def grads(request, monkeypatch):
+    """Each gradient storage mode of the sharded optimizer (AIAK_SHARD_GRADIENTS)."""
+    monkeypatch.setenv(sharded.GRADIENTS_ENV_VAR, request.param)
+    return request.param
+
+
 # ---- exactness ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
-def test_parameters_equal_dense_run(kind):
+def test_parameters_equal_dense_run(kind, grads):
     dense, dopt = make(kind, False)
     train(dense, dopt)
     model, opt = make(kind, True)
@@ -157,7 +164,7 @@ def test_parameters_equal_dense_run(kind):
 
 
 @pytest.mark.parametrize("op,passes", [(hvd.Sum, 1), (hvd.Average, 2), (hvd.Sum, 3)])
-def test_sum_and_backward_passes(op, passes):
+def test_sum_and_backward_passes(op, passes, grads):
     dense, dopt = make("adam", False, op=op, passes=passes)
     train(dense, dopt, steps=6, passes=passes)
     model, opt = make("adam", True, op=op, passes=passes)
@@ -236,11 +243,10 @@ def test_overlapped_allgather_equals_waiting_step(kind):
             o.step()
         in_flight.append((len(opt._gathers), len(opt._pending_gathers())))
         assert not popt._pending_gathers()
-    # step() returned with every bucket's allgather pending, at most GATHERS_IN_FLIGHT of them
-    # started (the bound on gathered buckets alive at once): the overlap really happened.
-    started = min(sharded.GATHERS_IN_FLIGHT, len(opt._buckets))
-    assert len(opt._buckets) > sharded.GATHERS_IN_FLIGHT
-    assert in_flight == [(started, len(opt._buckets))] * 6
+    # step() returned with every bucket's allgather started and pending: the overlap really
+    # happened.
+    assert len(opt._buckets) > 2
+    assert in_flight == [(len(opt._buckets), len(opt._buckets))] * 6
     loss_of(model, 6, hvd.rank())  # the forward waits for the buckets of the modules it runs
     unused = {opt._bucket_of[p] for p in model.unused.parameters()}
     used = {opt._bucket_of[p] for n, p in model.named_parameters()
@@ -363,6 +369,122 @@ def test_state_is_one_shard():
     assert all(p not in opt.state for p in model.parameters())
     # The model's full gradients are freed once reduced.
     assert all(p.grad is None for p in model.parameters())
+
+
+# ---- flat parameter storage ------------------------------------------------------------------
+def views_of_buckets(opt):
+    """Whether every sharded parameter's storage is its slice of its bucket's flat buffer."""
+    return all(p.data_ptr() == b.flat[off:].data_ptr() and p.is_contiguous()
+               for b in opt._buckets for p, off in zip(b.params, b.offsets))
+
+
+def test_parameters_are_views_of_the_flat_buckets():
+    dense, dopt = make("adam", False)
+    model, opt = make("adam", True)
+    assert views_of_buckets(opt)
+    # Building the optimizer kept the values, and the allgather writes the parameters in
+    # place: they stay views, step after step.
+    assert torch.equal(flat(model), flat(Net()))
+    train(model, opt, steps=3)
+    train(dense, dopt, steps=3)
+    assert views_of_buckets(opt)
+    assert_same(flat(model), flat(dense), exact_layout())
+
+
+def test_views_survive_to_load_broadcast_and_checkpoint():
+    import io
+    ref, _ = reference("adam", hvd.Average, 1, steps=2)
+    model, opt = make("adam", True)
+    train(model, opt, steps=1)
+    model.to(torch.float32)  # a no-op conversion keeps the storage
+    model.load_state_dict(ref.state_dict())  # copies into the parameters in place
+    assert views_of_buckets(opt)
+    assert torch.equal(flat(model), flat(ref))
+    for p in model.parameters():  # rank 0's values everywhere
+        p.data.add_(float(hvd.rank()))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    assert views_of_buckets(opt)
+    assert torch.equal(flat(model), flat(ref))
+    # A checkpoint of the model round-trips, and the optimizer trains on the loaded values:
+    # the run equals a dense one resumed from the same weights.
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    saved = torch.load(io.BytesIO(buf.getvalue()))
+    assert all(torch.equal(saved[k], v) for k, v in ref.state_dict().items())
+    resumed, ropt = make("adam", True)
+    resumed.load_state_dict(saved)
+    dense, dopt = make("adam", False)
+    dense.load_state_dict(saved)
+    train(resumed, ropt, steps=3, start=2)
+    train(dense, dopt, steps=3, start=2)
+    assert views_of_buckets(ropt)
+    assert_same(flat(resumed), flat(dense), exact_layout())
+
+
+def test_replaced_parameter_data_is_taken_back_into_its_bucket():
+    model, opt = make("sgd_momentum", True)
+    dense, dopt = make("sgd_momentum", False)
+    train(model, opt, steps=1)
+    train(dense, dopt, steps=1)
+    # `p.data = t` detaches the parameter from the bucket; the next step takes its value.
+    with torch.no_grad():
+        for m in (model, dense):
+            m.b.weight.data = m.b.weight.detach().clone() * 0.5
+    assert not views_of_buckets(opt)
+    train(model, opt, steps=2, start=1)
+    train(dense, dopt, steps=2, start=1)
+    assert views_of_buckets(opt)
+    assert_same(flat(model), flat(dense), exact_layout())
+
+
+def test_flat_gradients_are_views_reduced_in_place(grads):
+    model, opt = make("adam", True)
+    dense, dopt = make("adam", False)
+    assert all((b.flat_grad is not None) == (grads == "flat") for b in opt._buckets)
+    without_grad = set(opt._bucket_of)  # parameters whose p.grad is None before zero_grad
+    for step in range(4):
+        # zero_grad() (set_to_none) leaves p.grad None, as torch does; set_to_none=False keeps
+        # the flat buffer's views, which the next backward accumulates into in place.  (On
+        # one rank, bounded gradients are None after a step, so the plain optimizer's zero
+        # gradient of the block unused on odd steps is missing there: the docs' Limits.)
+        to_none = step < 2 or (grads == "bounded" and hvd.size() == 1)
+        for o in (opt, dopt):
+            o.zero_grad(set_to_none=to_none)
+        assert all((p.grad is None) == (to_none or grads == "bounded" or p in without_grad)
+                   for p in opt._bucket_of)
+        for m, o in ((model, opt), (dense, dopt)):
+            loss_of(m, step, hvd.rank()).backward()
+            o.synchronize()
+        for b in opt._buckets:
+            for p, off in zip(b.params, b.offsets):
+                if grads == "flat" and p not in b.missing:
+                    # This rank's own gradient, in the bucket's buffer.
+                    assert p.grad.data_ptr() == b.flat_grad[off:].data_ptr()
+                else:  # freed once reduced; a missing gradient stays missing, as in dense
+                    assert p.grad is None
+        without_grad = {p for p in opt._bucket_of if p.grad is None}
+        if step % 2:  # the block no rank used this step
+            assert all(p in opt._bucket_of[p].missing for p in model.unused.parameters()) \
+                == (to_none or grads == "bounded")
+        for o in (opt, dopt):
+            with o.skip_synchronize():
+                o.step()
+    assert_same(flat(model), flat(dense), exact_layout())
+
+
+def test_gradient_mode_from_environment_is_checked(monkeypatch):
+    monkeypatch.setenv(sharded.GRADIENTS_ENV_VAR, "sideways")
+    with pytest.raises(ValueError, match="AIAK_SHARD_GRADIENTS='sideways'.*bounded, flat"):
+        make("adam", True)
+
+
+def test_parameter_converted_after_building_names_it():
+    model, opt = make("adam", True)
+    opt.zero_grad()
+    loss_of(model, 0, hvd.rank()).backward()
+    model.a.double()  # a new tensor of another dtype: it can no longer live in the bucket
+    with pytest.raises(ValueError, match=r"parameter a\.(weight|bias) changed .*model\.to\(\)"):
+        opt.step()
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
