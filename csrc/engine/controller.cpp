@@ -5,12 +5,17 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 
 namespace aiak {
 namespace engine {
 namespace {
 
 constexpr uint64_t kShutdown = 1, kUncached = 2, kJoined = 4, kStall = 8;
+// The coordinator's first broadcast: the length of its responses and as many of their bytes
+// as fit, so that a usual round (a few control ops or new tensors) needs one broadcast.
+constexpr int64_t kInlineBytes = 4096;
 
 bool cacheable(int32_t op) { return op >= ALLREDUCE && op <= REDUCESCATTER; }
 
@@ -215,7 +220,9 @@ NegotiationResult Controller::negotiate(std::vector<Request> new_requests, bool 
     }
   }
 
-  auto vec = bit_vector(flags, invalid_bits);
+  // This rank's part of a coordination round, sized now: the size rides in the bit vector.
+  Writer piece = uncached_piece(false);
+  auto vec = bit_vector(flags, invalid_bits, piece.bytes.size());
   transport_->allreduce(transport_->in_place, vec.data(), static_cast<int>(vec.size()), types_.uint64,
                   types_.band, comm_);
   uint64_t g_flags = ~vec[0];
@@ -226,7 +233,11 @@ NegotiationResult Controller::negotiate(std::vector<Request> new_requests, bool 
   }
 
   std::vector<uint64_t> invalid(words_);
-  for (int w = 0; w < words_; ++w) invalid[w] = ~vec[1 + w];
+  bool any_invalid = false;
+  for (int w = 0; w < words_; ++w) {
+    invalid[w] = ~vec[1 + w];
+    any_invalid |= invalid[w] != 0;
+  }
   for (int bit : set_bits(invalid.data(), words_)) {
     // Renegotiate a tensor whose cached response no longer matches on some rank.
     auto it = cached_pending_.find(bit);
@@ -249,7 +260,13 @@ NegotiationResult Controller::negotiate(std::vector<Request> new_requests, bool 
     result.responses.push_back(cache_.response(bit));
   }
   if (g_flags & (kUncached | kJoined | kStall)) {
-    auto planned = coordinate((g_flags & kStall) != 0, &result.stall_report);
+    // Every rank's piece is still the one it sized unless requests moved to to_send_ since
+    // (an invalid bit, a join) or a stall report is due: all ranks know which from `vec`.
+    bool sized = !(g_flags & (kJoined | kStall)) && !any_invalid;
+    int64_t width = sized ? static_cast<int64_t>(~vec.back()) : 0;
+    if (width <= 0 || width > std::numeric_limits<int>::max() / size_) sized = false;
+    auto planned = coordinate((g_flags & kStall) != 0, &result.stall_report,
+                              sized ? &piece : nullptr, width);
     result.responses.insert(result.responses.end(), planned.begin(), planned.end());
   }
   for (const auto& resp : result.responses)
@@ -278,11 +295,14 @@ TableCounts Controller::counts() const {
   return c;
 }
 
-std::vector<uint64_t> Controller::bit_vector(uint64_t flags, const std::vector<int>& invalid_bits) const {
-  // [~flags][~invalid words][hit words]: AND over ranks gives OR of flags and invalid bits,
-  // and AND of hits ("ready everywhere").
-  std::vector<uint64_t> vec(1 + 2 * words_, 0);
+std::vector<uint64_t> Controller::bit_vector(uint64_t flags, const std::vector<int>& invalid_bits,
+                                             uint64_t piece_bytes) const {
+  // [~flags][~invalid words][hit words][~piece bytes]: AND over ranks gives OR of flags and
+  // invalid bits, AND of hits ("ready everywhere"), and OR of the pieces' sizes, which is at
+  // least the largest and less than twice it: a width every piece fits in.
+  std::vector<uint64_t> vec(2 + 2 * words_, 0);
   vec[0] = ~flags;
+  vec.back() = ~piece_bytes;
   for (int w = 0; w < words_; ++w) vec[1 + w] = ~uint64_t{0};
   for (int bit : invalid_bits) vec[1 + (bit >> 6)] &= ~(uint64_t{1} << (bit & 63));
   for (const auto& kv : cached_pending_)
@@ -304,31 +324,53 @@ bool Controller::stall_due(double now) {
 }
 
 // ---- coordinator --------------------------------------------------------------------------
-std::vector<ResponsePtr> Controller::coordinate(bool with_report, std::string* stall_report) {
-  // Every rank sends (its uncached requests, and on a stall report the names it waits for).
+Writer Controller::uncached_piece(bool with_report) const {
+  // Its uncached requests, and on a stall report the names it waits for.
   Writer w;
   w.pod<int64_t>(static_cast<int64_t>(to_send_.size()));
   for (const auto& r : to_send_) write_request(w, r);
-  to_send_.clear();
   w.pod<uint8_t>(with_report);
   if (with_report) {
     w.pod<int64_t>(static_cast<int64_t>(submitted_at_.size()));
     for (const auto& kv : submitted_at_) w.str(kv.first);
   }
-  int mine = static_cast<int>(w.bytes.size());
+  return w;
+}
+
+std::vector<ResponsePtr> Controller::coordinate(bool with_report, std::string* stall_report,
+                                                const Writer* sized, int64_t width) {
+  // Every rank sends its piece to the coordinator.  With `sized` (serialized before the bit
+  // vector, whose last word gave `width`), one gather of pieces padded to that width; else
+  // their sizes first, then a gather of variable pieces.  Over Gloo the second costs three
+  // collectives, the first one (readers stop at a piece's end, so padding is ignored).
   std::vector<int> sizes(rank_ == 0 ? size_ : 0), displs(sizes.size());
-  transport_->gather(&mine, 1, types_.int32, sizes.data(), 1, types_.int32, 0, comm_);
   std::vector<char> all;
-  if (rank_ == 0) {
-    int64_t total = 0;
-    for (int r = 0; r < size_; ++r) {
-      displs[r] = static_cast<int>(total);
-      total += sizes[r];
+  if (sized != nullptr) {
+    std::vector<char> mine(static_cast<size_t>(width), 0);
+    std::copy(sized->bytes.begin(), sized->bytes.end(), mine.begin());
+    for (size_t r = 0; r < sizes.size(); ++r) {
+      sizes[r] = static_cast<int>(width);
+      displs[r] = static_cast<int>(r * width);
     }
-    all.resize(std::max<int64_t>(total, 1));
+    if (rank_ == 0) all.resize(static_cast<size_t>(width * size_));
+    transport_->gather(mine.data(), static_cast<int>(width), types_.byte, all.data(),
+                       static_cast<int>(width), types_.byte, 0, comm_);
+  } else {
+    Writer w = uncached_piece(with_report);
+    int mine = static_cast<int>(w.bytes.size());
+    transport_->gather(&mine, 1, types_.int32, sizes.data(), 1, types_.int32, 0, comm_);
+    if (rank_ == 0) {
+      int64_t total = 0;
+      for (int r = 0; r < size_; ++r) {
+        displs[r] = static_cast<int>(total);
+        total += sizes[r];
+      }
+      all.resize(std::max<int64_t>(total, 1));
+    }
+    transport_->gatherv(w.bytes.data(), mine, types_.byte, all.data(), sizes.data(),
+                        displs.data(), types_.byte, 0, comm_);
   }
-  transport_->gatherv(w.bytes.data(), mine, types_.byte, all.data(), sizes.data(), displs.data(),
-                types_.byte, 0, comm_);
+  to_send_.clear();
 
   Writer out;
   if (rank_ == 0) {
@@ -348,10 +390,25 @@ std::vector<ResponsePtr> Controller::coordinate(bool with_report, std::string* s
     out.pod<int64_t>(static_cast<int64_t>(responses.size()));
     for (const auto& resp : responses) write_response(out, *resp);
   }
+  // [length][first bytes] in one fixed-size broadcast; the rest, if any, in a second.
+  constexpr int64_t kFirst = kInlineBytes - static_cast<int64_t>(sizeof(int64_t));
+  std::vector<char> head(kInlineBytes, 0);
   int64_t nbytes = static_cast<int64_t>(out.bytes.size());
-  transport_->bcast(&nbytes, 1, types_.int64, 0, comm_);
-  out.bytes.resize(static_cast<size_t>(nbytes));
-  transport_->bcast(out.bytes.data(), static_cast<int>(nbytes), types_.byte, 0, comm_);
+  if (rank_ == 0) {
+    std::memcpy(head.data(), &nbytes, sizeof(nbytes));
+    if (nbytes)
+      std::memcpy(head.data() + sizeof(nbytes), out.bytes.data(), std::min(nbytes, kFirst));
+  }
+  transport_->bcast(head.data(), static_cast<int>(kInlineBytes), types_.byte, 0, comm_);
+  std::memcpy(&nbytes, head.data(), sizeof(nbytes));
+  if (rank_ != 0) {
+    out.bytes.resize(static_cast<size_t>(nbytes));
+    if (nbytes)
+      std::memcpy(out.bytes.data(), head.data() + sizeof(nbytes), std::min(nbytes, kFirst));
+  }
+  if (nbytes > kFirst)
+    transport_->bcast(out.bytes.data() + kFirst, static_cast<int>(nbytes - kFirst), types_.byte,
+                      0, comm_);
   Reader rd(out.bytes.data(), out.bytes.size());
   std::vector<ResponsePtr> responses(static_cast<size_t>(rd.pod<int64_t>()));
   for (auto& resp : responses) resp = std::make_shared<const Response>(read_response(rd));

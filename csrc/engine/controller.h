@@ -79,10 +79,13 @@ class Controller {
   TableCounts counts() const;
 
  private:
-  std::vector<uint64_t> bit_vector(uint64_t flags, const std::vector<int>& invalid_bits) const;
+  std::vector<uint64_t> bit_vector(uint64_t flags, const std::vector<int>& invalid_bits,
+                                   uint64_t piece_bytes) const;
+  Writer uncached_piece(bool with_report) const;
   double oldest_age(double now) const;
   bool stall_due(double now);
-  std::vector<ResponsePtr> coordinate(bool with_report, std::string* stall_report);
+  std::vector<ResponsePtr> coordinate(bool with_report, std::string* stall_report,
+                                      const Writer* sized, int64_t width);
   std::vector<ResponsePtr> plan(const std::vector<std::vector<Request>>& requests,
                                 const std::vector<std::optional<std::vector<std::string>>>& reports,
                                 std::string* stall_report);

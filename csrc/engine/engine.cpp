@@ -140,7 +140,12 @@ void Engine::run() {
       // thread here waits on a handle (the moment this rank's own requests matter).
       lock.lock();
       double pause = cycle_time_s.load();
-      parked_ = config_.idle_park_s > pause && !has_local_work_locked();
+      bool idle = !has_local_work_locked();
+      // A waiter whose handle this cycle completed needs no early cycle: starting one would
+      // negotiate nothing, a round trip every peer must join (over Gloo a Python call and a
+      // wake-up of Gloo's threads, competing with the frontend that takes its results).
+      if (idle) waiter_blocked_ = false;
+      parked_ = config_.idle_park_s > pause && idle;
       if (parked_) pause = config_.idle_park_s;
       double remaining = pause - (monotonic_now() - started);
       if (remaining > 0 && !shutdown_requested_) {
