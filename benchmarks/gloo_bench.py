@@ -10,14 +10,11 @@ starts the runtime on that transport (``hvd.init()``; Gloo through
 ``set_world_source``), runs ``--warmup`` untimed grouped allreduces (negotiation, response
 cache, fusion buffer), times ``--calls`` more and keeps their median, then shuts down.
 
-Ratios (above 1 means Gloo is faster):
+Ratio (above 1 means Gloo is faster):
 
-  gloo_vs_mpi_grouped              time of hvd.grouped_allreduce of the 161 fp32 tensors
-                                   (25.6M elements) over MPI with the default engine, divided
-                                   by the same over Gloo (which runs the Python engine).
-                                   Target >= 0.8.
-  gloo_vs_mpi_grouped_same_engine  the same with the Python engine on both sides: the
-                                   transports alone.
+  gloo_vs_mpi_grouped   time of hvd.grouped_allreduce of the 161 fp32 tensors (25.6M
+                        elements) over MPI, divided by the same over Gloo (the same engine
+                        on both sides: the transports alone).  Target >= 0.8.
 """
 import argparse
 import math
@@ -31,7 +28,6 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import aiak_training.torch as hvd  # noqa: E402
-from aiak_training.runtime import current  # noqa: E402
 from aiak_training.runtime.transport import (WorldInfo, set_world_source,  # noqa: E402
                                              start_rendezvous_server)
 from bench_common import machine_info, report, resnet50_shapes, summarize  # noqa: E402
@@ -59,11 +55,9 @@ def main():
     shapes = resnet50_shapes()
     total = sum(math.prod(s) for s in shapes)
     grads = [torch.randn(s) for s in shapes]
-    default_engine = os.environ.get("AIAK_ENGINE", "native")
     rounds = [0]
 
-    def one_round(gloo: bool, engine: str) -> float:
-        os.environ["AIAK_ENGINE"] = engine
+    def one_round(gloo: bool) -> float:
         if gloo:
             info = WorldInfo(rank, size, rank, size, 0, 1, "localhost", "127.0.0.1", port,
                              prefix=f"bench{rounds[0]}")
@@ -79,32 +73,23 @@ def main():
             start = time.perf_counter()
             hvd.grouped_allreduce(grads, name="rn50")
             samples.append(time.perf_counter() - start)
-        kind = getattr(current.engine(), "kind", "python")
         hvd.shutdown()
         set_world_source(None)
-        os.environ["AIAK_ENGINE"] = default_engine
-        assert kind == ("python" if gloo else engine), kind
         return statistics.median(samples)
 
-    variants = {"mpi_grouped_default_engine": (False, default_engine),
-                "mpi_grouped_python_engine": (False, "python"),
-                "gloo_grouped": (True, "python")}
+    variants = {"mpi_grouped": False, "gloo_grouped": True}
     times = {k: [] for k in variants}
     for _ in range(args.reps):
-        for name, (gloo, engine) in variants.items():
-            times[name].append(one_round(gloo, engine))
+        for name, gloo in variants.items():
+            times[name].append(one_round(gloo))
     params = {k: {"bytes": total * 4, "tensors": len(shapes), "transport": "gloo" if g else "mpi",
-                  "engine": "python" if g else e, "calls_per_round": args.calls}
-              for k, (g, e) in variants.items()}
+                  "calls_per_round": args.calls}
+              for k, g in variants.items()}
     results = [summarize(k, params[k], v) for k, v in times.items()]
     med = {r["name"]: r["median_s"] for r in results}
-    ratios = {"gloo_vs_mpi_grouped": med["mpi_grouped_default_engine"] / med["gloo_grouped"],
-              "gloo_vs_mpi_grouped_same_engine":
-                  med["mpi_grouped_python_engine"] / med["gloo_grouped"]}
+    ratios = {"gloo_vs_mpi_grouped": med["mpi_grouped"] / med["gloo_grouped"]}
     if rank == 0:
-        machine = machine_info(size)
-        machine["engine"] = default_engine
-        report("gloo_bench", machine, results, ratios, args.json)
+        report("gloo_bench", machine_info(size), results, ratios, args.json)
     comm.Barrier()
     del store
 
