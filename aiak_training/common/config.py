@@ -71,7 +71,7 @@ class Config:
     idle_park_ms: float = 5.0
 
     def __setattr__(self, name: str, value) -> None:
-        # A running native engine holds copies of some settings (fusion threshold, ...): it
+        # A running engine's C++ core holds copies of some settings (fusion threshold, ...): it
         # registers ``on_change`` to hear of changes made while it runs.
         object.__setattr__(self, name, value)
         listener = self.__dict__.get("on_change")

@@ -5,7 +5,7 @@ in it, numbers the ranks from where Ray put the actors (ranks on one node are co
 local/cross ranks and hierarchical allreduce follow the real layout) and hands every actor its
 Horovod environment.  The ranks are the actors themselves, so the user's function runs in
 them with Ray's APIs at hand.  Where MPICH is installed the actors join one MPI world
-(``ray/mpi_world.py``: hydra started by hand, the native engine and every MPI feature);
+(``ray/mpi_world.py``: hydra started by hand, the engine over MPI and every MPI feature);
 otherwise, or with ``AIAK_RAY_TRANSPORT=gloo``, they form Gloo worlds over a rendezvous store
 in the driver.  The elastic form (``min_workers``) always uses Gloo: its worlds change size.
 """

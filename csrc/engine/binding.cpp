@@ -1,4 +1,4 @@
-// Python binding of the native engine (aiak_training._native.EngineCore), and its C ABI.
+// Python binding of the engine's C++ core (aiak_training._native.EngineCore), and its C ABI.
 //
 // Every call that may block or take the engine's lock releases the GIL first, so a busy
 // Python thread and the engine never wait on each other.  The C ABI (aiak_engine_*) lets a
@@ -156,10 +156,10 @@ void register_engine(py::module_& m) {
   py::register_exception<BadRequest>(m, "BadRequest", PyExc_ValueError);
 
   m.def("float_repr", &python_float_repr, py::arg("x"),
-        "repr() of a float as the native engine writes it into messages (for tests).");
+        "repr() of a float as the engine writes it into messages (for tests).");
 
   py::class_<Engine>(m, "EngineCore",
-                     "The native engine (csrc/engine/): negotiation, fusion and host collectives "
+                     "The engine's C++ core (csrc/engine/): negotiation, fusion and host collectives "
                      "(MPI, or Gloo through Python) on its own thread.")
       .def(py::init([](py::dict config, py::function lane, py::object gloo) {
              // MPI by default, bound to mpi4py's library; Gloo when a Python object that runs

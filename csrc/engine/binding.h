@@ -1,4 +1,4 @@
-// Registers the native engine (EngineCore) into aiak_training._native.
+// Registers the engine's C++ core (EngineCore) into aiak_training._native.
 #pragma once
 #include <pybind11/pybind11.h>
 

@@ -1,7 +1,16 @@
-// Negotiation of one process set, in the native engine: the response cache, the bit-vector
-// allreduce and the coordinator.  The algorithm is the Python engine's, step for step
-// (aiak_training/runtime/controller.py and response_cache.py explain it); the two engines
-// must agree on which tensor is ready, in which order, and on every error message.
+// Negotiation of one process set: which submitted tensors are ready on every rank, in one
+// order that every rank agrees on.
+//
+// Each cycle every rank takes part in one bitwise-AND allreduce of a vector of words:
+// [~flags][~invalid cache bits][cache hits][~size of its coordinator piece].  The AND gives
+// the OR of the flags (shutdown, uncached requests, a join, a stall report) and of the
+// invalid bits, and the AND of the hits.  A tensor whose response is in the response cache
+// (a bounded LRU of responses, one bit each, kept identical on every rank because every rank
+// inserts and evicts in the order the responses run) is ready once its bit is set everywhere;
+// nothing else crosses the wire for it.  New tensors, and cached ones whose request changed on
+// some rank, go through a coordinator round: rank 0 gathers every rank's uncached requests,
+// matches them by name, checks that shapes, dtypes, ops and devices agree (else the error
+// response that names the tensor) and broadcasts the ordered responses.
 #pragma once
 
 #include <cstdint>
@@ -110,7 +119,7 @@ class Controller {
   int last_joined_ = -1;
 };
 
-// Python's repr() of a float ("1.0", "0.5", "1e-05"), for messages both engines share.
+// Python's repr() of a float ("1.0", "0.5", "1e-05"), the form the API's messages print.
 std::string python_float_repr(double x);
 
 }  // namespace engine

@@ -1,4 +1,4 @@
-// The native engine's thread, queues, handles and host data path (see engine.h).
+// The engine's C++ thread, queues, handles and host data path (see engine.h).
 #include "engine/engine.h"
 
 #include <algorithm>
@@ -156,8 +156,8 @@ void Engine::run() {
       lock.unlock();
     }
   } catch (const std::exception& exc) {
-    // Worded as the Python engine words a failure of its thread; the lane adds the peers
-    // that are gone (a transport error usually means one vanished) and logs it.
+    // "The background thread failed: ..."; the lane adds the peers that are gone (a
+    // transport error usually means one vanished) and logs it.
     auto* failed = dynamic_cast<const TransportError*>(&exc);
     std::string message = "The background thread failed: " +
                           (failed ? failed->kind : std::string("RuntimeError")) + ": " + exc.what();
@@ -553,7 +553,7 @@ void Engine::execute(SetState& set, const std::vector<ResponsePtr>& responses) {
         i = j;
         continue;
       }
-      default: throw std::logic_error("native engine: unexpected op " + std::to_string(resp->op_type));
+      default: throw std::logic_error("engine: unexpected op " + std::to_string(resp->op_type));
     }
     ++i;
     // Wake waiters as each bucket lands: the caller can use it while the rest still run.

@@ -1,6 +1,7 @@
-// The native engine: a background thread that negotiates and runs collectives without the GIL.
+// The engine's C++ core: a background thread that negotiates and runs collectives without
+// the GIL.
 //
-// Python (aiak_training/runtime/native_engine.py) enqueues tensors and waits on handles; the
+// Python (aiak_training/runtime/engine.py) enqueues tensors and waits on handles; the
 // thread here owns the queues, the negotiation of every process set (controller.h), the
 // fusion buffer and the transport calls (MPI or Gloo, transport.h) of host allreduce and
 // broadcast, and completes handles.

@@ -1,8 +1,8 @@
-// Requests and responses of the native engine, and their wire format between ranks.
+// Requests and responses of the engine, and their wire format between ranks (a flat byte
+// string).
 //
-// The fields and their meaning are those of aiak_training/common/messages.py (the Python
-// engine's Request/Response), so both engines negotiate the same way; only the encoding on
-// the wire differs (a flat byte string here, a pickle there).
+// The fields and their meaning are those of aiak_training/common/messages.py, which builds the
+// requests the frontends submit and the responses the lane (runtime/engine.py) executes.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The MPI transport of the native engine (transport.h), bound at run time to the library mpi4py loaded.
+// The MPI transport of the engine (transport.h), bound at run time to the library mpi4py loaded.
 //
 // Why not #include <mpi.h>: MPICH and Open MPI have different ABIs (MPICH handles are 32-bit
 // ints, Open MPI's are pointers to library objects), and the MPI in use is only known when

@@ -94,7 +94,7 @@ class PythonTransport final : public Transport {
     try {
       f();
     } catch (py::error_already_set& exc) {
-      // The exception's type and text, as the Python engine reports a failed collective.
+      // The exception's type and text, for the message of the failed collective.
       std::string kind = py::str(exc.type().attr("__name__"));
       std::string text = py::str(exc.value());
       throw TransportError(kind, text);

@@ -1,4 +1,4 @@
-// The Gloo transport of the native engine: its collectives are calls into a Python object
+// The Gloo transport of the engine: its collectives are calls into a Python object
 // (aiak_training/runtime/transport/gloo_calls.py) that runs them on torch.distributed's Gloo
 // process groups.  The GIL is taken for each call only, and torch releases it while Gloo
 // waits, so the frontend keeps running during a reduction.  No torch C++ symbol is used.

@@ -1,4 +1,4 @@
-// The transport: the collectives the native engine's negotiation and host data path call.
+// The transport: the collectives the engine's negotiation and host data path call.
 //
 // Two implementations: MPI (mpi.h), bound at run time to the library mpi4py loaded, and Gloo
 // (python_transport.h), which calls torch.distributed's Gloo process groups through a Python
@@ -17,8 +17,8 @@ namespace engine {
 // A communicator, datatype or reduce-op handle of the transport in use.
 using TransportHandle = int64_t;
 
-// A transport call failed.  `kind` names the failure as the Python engine reports it in
-// "The background thread failed: <kind>: <what>" ("Exception" for MPI, the Python
+// A transport call failed.  `kind` names the failure in the message every pending operation
+// reports, "The background thread failed: <kind>: <what>" ("Exception" for MPI, the Python
 // exception's type for Gloo).
 class TransportError : public std::runtime_error {
  public:

@@ -1,4 +1,4 @@
-"""The Gloo collectives of the native engine (``csrc/engine/python_transport.cpp``).
+"""The Gloo collectives of the engine's C++ core (``csrc/engine/python_transport.cpp``).
 
 The C++ engine negotiates, fuses and caches for Gloo jobs as it does for MPI ones; only its
 transport calls land here.  Each method is called on the engine's native thread with the GIL
@@ -33,7 +33,7 @@ def _ints(addr: int, n: int) -> list:
 
 
 class GlooCalls:
-    """The communicators of one native engine, by handle, and the collectives it calls."""
+    """The communicators of one engine, by comm id, and the collectives it calls."""
 
     def __init__(self) -> None:
         self._comms: Dict[int, GlooComm] = {}
