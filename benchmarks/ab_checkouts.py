@@ -12,9 +12,9 @@ benchmark reports::
         mpiexec -n 2 python3 benchmarks/allreduce_bench.py --no-gloo --json {json}
 
 ``{json}`` in the command is replaced by a file for that run; the benchmark must write
-``bench_common.report``'s JSON there.  Reported per result: ``before_over_after`` = the
-baseline's median time / this tree's (above 1: this tree is faster); per ratio: both sides'
-medians over the rounds.
+``bench_common.report``'s JSON there.  Reported for each timed result (in seconds) and each
+ratio: both sides' medians over the rounds and every value; for a time, before / after above
+1 means this tree is faster.
 """
 import argparse
 import json
@@ -39,6 +39,14 @@ def run_once(checkout: str, command: List[str], out_dir: str, tag: str) -> Dict:
         raise SystemExit(f"{tag}: the benchmark failed (exit {proc.returncode})")
     with open(path) as f:
         return json.load(f)
+
+
+def paired(values: Dict[str, Dict[str, List[float]]]) -> Dict[str, Dict]:
+    """Per name measured on both sides: each side's median over the rounds and the values."""
+    return {name: {"before": statistics.median(values["before"][name]),
+                   "after": statistics.median(after),
+                   "before_values": values["before"][name], "after_values": after}
+            for name, after in values["after"].items() if name in values["before"]}
 
 
 def main() -> None:
@@ -68,25 +76,12 @@ def main() -> None:
                 print(f"round {round_no} {side}: " + ", ".join(
                     f"{k}={v:.3f}" for k, v in data["ratios"].items()), flush=True)
     comparison = {"command": command, "rounds": args.rounds, "baseline": sides["before"],
-                  "results": {}, "ratios": {}}
-    for name in medians["after"]:
-        if name not in medians["before"]:
-            continue
-        before = statistics.median(medians["before"][name])
-        after = statistics.median(medians["after"][name])
-        comparison["results"][name] = {"before_median_s": before, "after_median_s": after,
-                                       "before_over_after": before / after}
-        print(f"{name:<44} before {before * 1e3:9.3f} ms  after {after * 1e3:9.3f} ms  "
-              f"before/after {before / after:.3f}")
-    for name in ratios["after"]:
-        if name not in ratios["before"]:
-            continue
-        before = statistics.median(ratios["before"][name])
-        after = statistics.median(ratios["after"][name])
-        comparison["ratios"][name] = {"before": before, "after": after,
-                                      "before_values": ratios["before"][name],
-                                      "after_values": ratios["after"][name]}
-        print(f"ratio {name}: before {before:.3f}, after {after:.3f}")
+                  "results": paired(medians), "ratios": paired(ratios)}
+    for name, r in comparison["results"].items():
+        print(f"{name:<44} before {r['before'] * 1e3:9.3f} ms  after {r['after'] * 1e3:9.3f} ms"
+              f"  before/after {r['before'] / r['after']:.3f}")
+    for name, r in comparison["ratios"].items():
+        print(f"ratio {name}: before {r['before']:.3f}, after {r['after']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(comparison, f, indent=2)

@@ -333,9 +333,7 @@ class Engine:
             for name in lane_names:
                 state.entries.pop(name, None)
             raise _translate(exc) from None
-        for hid, entry in zip(handles, entries):
-            entry.handle = hid
-            self._keep[hid] = entry
+        self._keep.update(zip(handles, entries))
         if self.timeline.active:
             for req in requests:
                 self.timeline.begin(req.name, "NEGOTIATE_" + OpType(req.op_type).name)
@@ -445,7 +443,7 @@ class Engine:
         the number of steps; a long run that sees one grow has found a leak."""
         out = dict(self.core.counts())
         out["foreign_process_sets"] = self.sets.foreign_count()
-        out["fusion_buffer_bytes"] += self.executor.fusion_buffer_bytes
+        out["fusion_buffer_bytes"] += self.executor.host.fusion_buffer_bytes
         out["timeline_tensors"] = self.timeline.tensor_count
         return out
 

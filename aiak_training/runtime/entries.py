@@ -25,20 +25,18 @@ class TensorEntry:
     A plain slotted class with ``count`` and ``nbytes`` computed once: one is built per
     tensor per step, and the engine reads its sizes several times.
     """
-    __slots__ = ("name", "dtype", "shape", "in_addr", "out_addr", "allocate", "handle",
-                 "keep", "device", "stream", "ready_event", "count", "nbytes")
+    __slots__ = ("name", "dtype", "shape", "in_addr", "out_addr", "allocate", "keep",
+                 "device", "stream", "ready_event", "count", "nbytes")
 
     def __init__(self, name: str, dtype: DataType, shape: Tuple[int, ...], in_addr: int,
                  out_addr: int = 0, allocate: Optional[Callable[[Tuple[int, ...]], int]] = None,
-                 handle: int = -1, keep: object = None,
-                 device: int = -1, stream: int = 0, ready_event: int = 0):
+                 keep: object = None, device: int = -1, stream: int = 0, ready_event: int = 0):
         self.name = name
         self.dtype = dtype
         self.shape = shape
         self.in_addr = in_addr
         self.out_addr = out_addr
         self.allocate = allocate
-        self.handle = handle
         self.keep = keep  # references that must outlive the operation
         self.device = device
         self.stream = stream

@@ -60,10 +60,6 @@ class Executor:
         if self._gpu_executor is not None:
             self._gpu_executor.close(clean)
 
-    @property
-    def fusion_buffer_bytes(self) -> int:
-        return self.host.fusion_buffer_bytes
-
     # ---- dispatch ----------------------------------------------------------------------
     def execute(self, state: SetState, responses: List[Response]) -> None:
         threshold = self.config.fusion_threshold

@@ -143,7 +143,7 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
                                 **fields))
         entries.append(TensorEntry(name, dt, shape, inp.data_ptr(),
                                    out.data_ptr() if out is not None else 0,
-                                   allocate(i, stream) if allocate else None, -1,
+                                   allocate(i, stream) if allocate else None,
                                    (inp, out), device, cuda_stream, event))
     handles = engine.enqueue(process_set.process_set_id, requests, entries)
     user_handle = handles[0]
