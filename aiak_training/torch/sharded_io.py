@@ -37,7 +37,9 @@ def _into(out: torch.Tensor) -> Callable[..., Callable[[Tuple[int, ...]], int]]:
 def reducescatter_into(src: torch.Tensor, out: torch.Tensor, name: str, op: int,
                        prescale: float, postscale: float, process_set: ProcessSet) -> int:
     """Start a reduce-scatter of the flat ``src`` whose block for this rank is written into
-    ``out`` (``synchronize`` returns ``out``).  ``src`` must divide evenly over the ranks."""
+    ``out`` (``synchronize`` returns ``out``).  ``src`` must divide evenly over the ranks.
+    ``out`` may be the start of ``src`` (MPI's in-place reduce-scatter): the input is then
+    overwritten."""
     rop = mpi_ops._check_op(op, src)
     return mpi_ops._submit(OpType.REDUCESCATTER, [(src, out)],
                            mpi_ops._name("reducescatter", name), process_set, lambda _: out,
@@ -48,7 +50,8 @@ def reducescatter_into(src: torch.Tensor, out: torch.Tensor, name: str, op: int,
 def allgather_into(src: torch.Tensor, out: torch.Tensor, name: str,
                    process_set: ProcessSet) -> int:
     """Start an allgather of the equal-sized flat ``src`` of every rank into the first
-    ``size * src.numel()`` elements of ``out`` (``synchronize`` returns that view)."""
+    ``size * src.numel()`` elements of ``out`` (``synchronize`` returns that view).  ``src``
+    may be this rank's own block of ``out``: the gather then runs in place."""
     n = process_set.size() if process_set.process_set_id else mpi_ops.size()
     full = out[:n * src.numel()]
     return mpi_ops._submit(OpType.ALLGATHER, [(src, out)], mpi_ops._name("allgather", name),
@@ -60,18 +63,24 @@ class BufferCache:
     once rather than once per step.
 
     A buffer serves any request it is large enough for (the caller slices it), so buckets of
-    many different sizes share a few buffers; at most ``keep`` free ones are kept per dtype
-    and device (the smallest go first), which bounds what stays allocated between steps to
-    ``keep`` of the largest buckets."""
+    many different sizes share a few buffers.  Per dtype and device, as many free ones are
+    kept as were ever in use at once (at least ``keep``; the smallest go first): a steady
+    workload then allocates nothing after its first step, and what stays allocated between
+    steps is what its busiest moment needed."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self._free: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+        self._in_use: Dict[Tuple[torch.dtype, torch.device], int] = {}
+        self._peak: Dict[Tuple[torch.dtype, torch.device], int] = {}
 
     def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A flat buffer of at least ``numel`` elements of ``like``'s dtype and device
         (contents undefined); give the whole buffer back, not a slice."""
-        free = self._free.get((like.dtype, like.device), [])
+        kind = (like.dtype, like.device)
+        self._in_use[kind] = used = self._in_use.get(kind, 0) + 1
+        self._peak[kind] = max(self._peak.get(kind, 0), used)
+        free = self._free.get(kind, [])
         fits = [i for i, buf in enumerate(free) if buf.numel() >= numel]
         if fits:
             return free.pop(min(fits, key=lambda i: free[i].numel()))
@@ -79,9 +88,11 @@ class BufferCache:
 
     def give(self, buf: torch.Tensor) -> None:
         """Return ``buf`` (nothing may use it any more) for a later :meth:`take`."""
-        free = self._free.setdefault((buf.dtype, buf.device), [])
+        kind = (buf.dtype, buf.device)
+        self._in_use[kind] = max(0, self._in_use.get(kind, 0) - 1)
+        free = self._free.setdefault(kind, [])
         free.append(buf)
-        if len(free) > self.keep:
+        if len(free) > max(self.keep, self._peak.get(kind, 0)):
             free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
 
     def buffers(self) -> List[torch.Tensor]:
