@@ -23,9 +23,8 @@ cluster at 1 Gbit/s (root), as the sharded_vs_dense_step target asks::
 Each timed sample is the slowest rank's iteration
 (zero_grad, forward, backward, step; barrier before and after), dense and sharded alternating
 after warm-up.  The sharded optimizer runs in both gradient modes (AIAK_SHARD_GRADIENTS):
-``sharded`` with the default, flat gradients (each p.grad a view of its bucket's buffer,
-reduce-scattered in place), ``sharded_bounded`` with bounded ones (copied into a few reused
-buffers and freed).
+``sharded`` with the default, bounded gradients, ``sharded_flat`` with flat ones (each p.grad
+a view of its bucket's buffer, reduce-scattered in place).
 
 Ratios:
 
@@ -33,9 +32,9 @@ Ratios:
                                        with sharding / the dense optimizer's (the same on every
                                        rank).  Target <= 1/N + 0.05.
   sharded_vs_dense_step_<set>          median dense iteration time / median sharded iteration
-                                       time (above 1: sharded faster), default (flat)
+                                       time (above 1: sharded faster), default (bounded)
                                        gradients;
-  sharded_bounded_vs_dense_step_<set>  the same with AIAK_SHARD_GRADIENTS=bounded.
+  sharded_flat_vs_dense_step_<set>     the same with AIAK_SHARD_GRADIENTS=flat.
   allgather_vs_allreduce_16MB,         median allreduce time / median allgather (reducescatter)
   reducescatter_vs_allreduce_16MB      time of the same bytes (a ring moves half the bytes
                                        of an allreduce in each, so ~2 is the ideal).
@@ -148,8 +147,8 @@ def main(argv=None):
             ratios.update(more_ratios)
             continue
         variants, opts = {}, {}
-        for label, shard, grads in (("dense", False, None), ("sharded", True, "flat"),
-                                    ("sharded_bounded", True, "bounded")):
+        for label, shard, grads in (("dense", False, None), ("sharded", True, "bounded"),
+                                    ("sharded_flat", True, "flat")):
             net, fwd_bwd = build(which)
             if grads is not None:  # read when the optimizer is built
                 os.environ[GRADIENTS_ENV_VAR] = grads
@@ -176,12 +175,12 @@ def main(argv=None):
         ratios[f"sharded_state_bytes_fraction_{which}"] = shard / dense
         med = {r["name"]: r["median_s"] for r in results}
         ratios[f"sharded_vs_dense_step_{which}"] = med[f"{which}_dense"] / med[f"{which}_sharded"]
-        ratios[f"sharded_bounded_vs_dense_step_{which}"] = \
-            med[f"{which}_dense"] / med[f"{which}_sharded_bounded"]
+        ratios[f"sharded_flat_vs_dense_step_{which}"] = \
+            med[f"{which}_dense"] / med[f"{which}_sharded_flat"]
         for r in results[-3:]:
             r["params"].update(state_bytes=shard if "sharded" in r["name"] else dense,
                                gradients=None if r["name"].endswith("_dense") else
-                               "bounded" if r["name"].endswith("_bounded") else "flat")
+                               "flat" if r["name"].endswith("_flat") else "bounded")
     if hvd.rank() == 0:
         machine = machine_info(ranks=n, layout=args.layout,
                                link_gbit=link_gbit(args.link_gbit))

@@ -40,7 +40,7 @@ def check_ok(proc, nranks, path):
                        proc.stdout)
     assert sorted(int(r) for r, _, _ in found) == list(range(nranks)), proc.stdout[-4000:]
     assert {p for _, p, _ in found} == {path}
-    assert {c for _, _, c in found} == {"14"}
+    assert {c for _, _, c in found} == {"13"}
 
 
 @pytest.mark.parametrize("hosts, env, path", [

@@ -134,13 +134,7 @@ class HostCollectives:
             # One pass: the input is the caller's and stays unscaled.
             src = self.fusion_buffer(e.nbytes)
             native.copy_scaled_batch([src], [e.in_addr], [e.count], int(dtype), resp.prescale)
-        if e.count and src == out and isinstance(state.comm, MPI.Comm):
-            # In place (the sharded optimizer's flat gradients): MPI reads the input from the
-            # output buffer and leaves this rank's block at its start.  (Gloo and the
-            # hierarchical path copy the input before they write.)
-            state.comm.Reduce_scatter(MPI.IN_PLACE, _buf(out, e.count, dtype),
-                                      recvcounts=counts, op=mpi_op(dtype, op))
-        elif e.count:
+        if e.count:
             state.comm.Reduce_scatter(_buf(src, e.count, dtype),
                                       _buf(out, counts[state.rank], dtype),
                                       recvcounts=counts, op=mpi_op(dtype, op))

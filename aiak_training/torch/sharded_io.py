@@ -37,9 +37,7 @@ def _into(out: torch.Tensor) -> Callable[..., Callable[[Tuple[int, ...]], int]]:
 def reducescatter_into(src: torch.Tensor, out: torch.Tensor, name: str, op: int,
                        prescale: float, postscale: float, process_set: ProcessSet) -> int:
     """Start a reduce-scatter of the flat ``src`` whose block for this rank is written into
-    ``out`` (``synchronize`` returns ``out``).  ``src`` must divide evenly over the ranks.
-    ``out`` may be the start of ``src`` (MPI's in-place reduce-scatter): the input is then
-    overwritten."""
+    ``out`` (``synchronize`` returns ``out``).  ``src`` must divide evenly over the ranks."""
     rop = mpi_ops._check_op(op, src)
     return mpi_ops._submit(OpType.REDUCESCATTER, [(src, out)],
                            mpi_ops._name("reducescatter", name), process_set, lambda _: out,
