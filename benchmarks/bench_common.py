@@ -65,17 +65,21 @@ def resnet50_shapes() -> List[Tuple[int, ...]]:
     return shapes
 
 
-def interleave(variants: Dict[str, Callable[[], float]], reps: int, warmup: int) -> Dict[str, List[float]]:
-    """Run each variant ``warmup`` times, then ``reps`` timed rounds A B C A B C ...
+def interleave(variants: Dict[str, Callable[[], float]], reps: int, warmup: int,
+               rotate: bool = False) -> Dict[str, List[float]]:
+    """Run each variant ``warmup`` times, then ``reps`` timed rounds A B C A B C ... (with
+    ``rotate``, A B C, B C A, C A B, ...: no variant always follows the same one).
 
     Each callable returns its own elapsed seconds (so it can exclude setup)."""
     for _ in range(warmup):
         for fn in variants.values():
             fn()
     times: Dict[str, List[float]] = {k: [] for k in variants}
-    for _ in range(reps):
-        for name, fn in variants.items():
-            times[name].append(fn())
+    names = list(variants)
+    for rep in range(reps):
+        shift = rep % len(names) if rotate else 0
+        for name in names[shift:] + names[:shift]:
+            times[name].append(variants[name]())
     return times
 
 

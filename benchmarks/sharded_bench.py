@@ -22,7 +22,10 @@ cluster at 1 Gbit/s (root), as the sharded_vs_dense_step target asks::
 
 Each timed sample is the slowest rank's iteration
 (zero_grad, forward, backward, step; barrier before and after), dense and sharded alternating
-after warm-up.  The sharded optimizer runs in both gradient modes (AIAK_SHARD_GRADIENTS):
+after warm-up, each round starting one variant later than the one before.  ``--order`` sets
+the order the variants are built in (and the first round's): on these machines an
+optimizer's speed depended on its position among those built in one process by up to 15%,
+so compare runs over several orders.  The sharded optimizer runs in both gradient modes (AIAK_SHARD_GRADIENTS):
 ``sharded`` with the default, bounded gradients, ``sharded_flat`` with flat ones (each p.grad
 a view of its bucket's buffer, reduce-scattered in place).
 
@@ -62,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sets", default="mlp,resnet50")
     p.add_argument("--optimizer", choices=("adam", "fused_adam"), default="adam")
+    p.add_argument("--order", default="dense,sharded,sharded_flat",
+                   help="the order the variants are built and run in (each round starts one "
+                        "later in it: rounds rotate)")
     p.add_argument("--layout", help="nodes x ranks to record, e.g. 2x2 (default 1xN)")
     p.add_argument("--link-gbit", type=float, help="link rate to record (default: the "
                    "emulated cluster's, when it says)")
@@ -147,8 +153,10 @@ def main(argv=None):
             ratios.update(more_ratios)
             continue
         variants, opts = {}, {}
-        for label, shard, grads in (("dense", False, None), ("sharded", True, "bounded"),
-                                    ("sharded_flat", True, "flat")):
+        kinds = {"dense": (False, None), "sharded": (True, "bounded"),
+                 "sharded_flat": (True, "flat")}
+        for label in args.order.split(","):
+            shard, grads = kinds[label]
             net, fwd_bwd = build(which)
             if grads is not None:  # read when the optimizer is built
                 os.environ[GRADIENTS_ENV_VAR] = grads
@@ -163,7 +171,7 @@ def main(argv=None):
                 fwd_bwd()
                 opt.step()
             variants[f"{which}_{label}"] = lambda it=iteration: timed(it, hvd.barrier)
-        times = interleave(variants, args.reps, args.warmup)
+        times = interleave(variants, args.reps, args.warmup, rotate=True)
         for name, samples in times.items():
             worst = [float(t) for t in hvd.allreduce(torch.tensor(samples, dtype=torch.float64),
                                                      op=hvd.Max,
