@@ -44,6 +44,17 @@ and an in-place scale.  Each timed step is measured twice at once:
 The sleep is calibrated to be several times longer than a step's host time; each result
 records whether it did cover the host time (host_hidden).
 
+Patterns (CPU, --pattern): what precedes each timed step.  On the 2-vCPU VMs it moves the
+results more than any kernel change: a step's time depends on whether the other vCPU is free
+when its helper threads wake, and torch's OpenMP threads spin on it for a while after every
+torch op.
+  interleaved     (default) one step per variant per round: each step follows another
+                  variant's step, of this library or of torch;
+  after_torch_op  the same, with an untimed torch op over 16 MiB on all threads just before
+                  each step, as the backward pass before an optimizer call leaves it;
+  blocks          --block steps per variant per round, the first of each turn untimed (it
+                  follows another variant): each optimizer in its own steady state.
+
 GPU check interface (benchmarks/gpu_check.sh):
   python3 benchmarks/fused_optim_bench.py --device cuda --json benchmarks/results/X.json
   [--cases resnet50,large] [--large-params 5e8] [--reps 7]
@@ -262,7 +273,11 @@ def run_case(case: str, shapes, args) -> List[Variant]:
     dev = args.device
     n = sum(math.prod(s) for s in shapes)
     common = {"case": case, "tensors": len(shapes), "numel": n, "dtype": "float32",
-              "threads": torch.get_num_threads(), "device": dev}
+              "threads": torch.get_num_threads(), "device": dev,
+              "pattern": args.pattern if dev == "cpu" else "interleaved",
+              "thread_pool": fo._cpu_ext.threads_backend() if fo._cpu_ext is not None else None}
+    if dev == "cpu" and args.pattern == "blocks":
+        common["block"] = args.block
     vs: List[Variant] = []
     if case == "cuda_stub":
         vs = stub_cuda_variants(shapes, dict(common, device="cpu (CUDA library stubbed)"))
@@ -344,6 +359,12 @@ def time_variants(vs: List[Variant], dev: str, args) -> List[Variant]:
             v.fn()
     sync()
     sleep_cycles, sleep_s = 0, 0.0
+    scratch = torch.ones(4 << 20)  # 16 MiB for torch_op
+
+    def torch_op() -> None:
+        """Torch intra-op work on all threads, as the backward pass before a training
+        step's optimizer call leaves it (torch's OpenMP threads still spinning)."""
+        scratch.mul_(1.0)
     if dev == "cuda":
         # Keep the GPU busy for several times the slowest host issue time seen in warm-up.
         longest = 0.0
@@ -361,7 +382,15 @@ def time_variants(vs: List[Variant], dev: str, args) -> List[Variant]:
         for v in vs[k:] + vs[:k]:
             if dev == "cuda":
                 time_cuda_step(v, sleep_cycles, sleep_s)
+            elif args.pattern == "blocks":
+                v.fn()  # follows another variant's steps: untimed
+                for _ in range(args.block):
+                    t0 = time.perf_counter()
+                    v.fn()
+                    v.times.append(time.perf_counter() - t0)
             else:
+                if args.pattern == "after_torch_op":
+                    torch_op()
                 t0 = time.perf_counter()
                 v.fn()
                 v.times.append(time.perf_counter() - t0)
@@ -382,6 +411,12 @@ def main() -> int:
     ap.add_argument("--cases", default="resnet50,large",
                     help="comma-separated subset of resnet50,large,host (host: 161 one-element "
                          "tensors, so a step's time is its host cost; not run by default)")
+    ap.add_argument("--pattern", choices=("interleaved", "after_torch_op", "blocks"),
+                    default="interleaved",
+                    help="CPU only, how steps are timed (see Patterns): one step per variant "
+                         "per round (default); the same after an untimed torch op; or "
+                         "--block steps per variant per round, the first untimed")
+    ap.add_argument("--block", type=int, default=10, help="steps timed per turn (blocks)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args()
     if args.reps < 5:

@@ -429,6 +429,35 @@ def test_results_do_not_depend_on_thread_count(monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_torch_openmp_threads_and_own_pool_agree(monkeypatch):
+    """Parallel calls run on torch's OpenMP threads where torch's OpenMP runtime is loaded
+    (the default), or on the extension's own pool: the same bits either way."""
+    monkeypatch.setenv("AIAK_FUSED_OPTIM_THREADS", "2")
+    monkeypatch.delenv(B.THREADS_ENV_VAR, raising=False)
+    if "OpenMP" in torch.__config__.parallel_info() and sys.platform == "linux":
+        assert os.path.basename(B.torch_openmp_library()).startswith("libgomp")
+        assert B.choose_thread_pool() == "openmp"
+    try:
+        on_openmp = _run_all(torch.float32)
+        assert B.choose_thread_pool("own") == "pool"
+        own = _run_all(torch.float32)
+    finally:
+        B.choose_thread_pool()
+    for a, b in zip(on_openmp, own):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_thread_pool_setting_is_checked():
+    code = "import aiak_training.fused_optim as fo; print(fo._cpu_ext.threads_backend())"
+    run = lambda value: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code], capture_output=True, text=True,
+        env=dict(os.environ, AIAK_FUSED_OPTIM_THREAD_POOL=value))
+    assert run("own").stdout.split() == ["pool"]
+    bad = run("many")
+    assert bad.returncode != 0 and "AIAK_FUSED_OPTIM_THREAD_POOL" in bad.stderr \
+        and "openmp, own" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_multi_threaded_calls_take_avx2_on_amd():
     """On AMD CPUs with AVX-512, calls on several threads run the AVX2 kernels (faster there);
     a path forced by AIAK_FUSED_OPTIM_ISA runs at every thread count."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from aiak_training.common.dtypes import DataType
-from aiak_training.common.env import env_int
+from aiak_training.common.env import env_choice, env_int
 from aiak_training.common.once import warn_once
 
 # The dtype codes the kernels (CPU and CUDA) take: the shared DataType numbering.
@@ -40,6 +40,46 @@ except ImportError as _err:  # not built
     _CPU_IMPORT_ERROR: Optional[BaseException] = _err
 else:
     _CPU_IMPORT_ERROR = None
+
+# Where the CPU kernels' threads come from: "openmp", the OpenMP runtime torch's own CPU
+# kernels run on (found in this process), else "own", a pool of the extension's own.
+THREADS_ENV_VAR = "AIAK_FUSED_OPTIM_THREAD_POOL"
+THREAD_POOLS = ("openmp", "own")
+_OPENMP_NAMES = ("libgomp", "libomp", "libiomp5")
+
+
+def torch_openmp_library() -> Optional[str]:
+    """Path of the OpenMP runtime loaded in this process for torch (the one under torch's
+    package when there are several), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:  # not Linux
+        return None
+    found = sorted(p for p in paths if os.path.basename(p).startswith(_OPENMP_NAMES))
+    torch_dir = os.path.dirname(torch.__file__)
+    found.sort(key=lambda p: not p.startswith(torch_dir))
+    return found[0] if found else None
+
+
+def choose_thread_pool(which: Optional[str] = None) -> str:
+    """Point the CPU kernels at torch's OpenMP threads or at their own pool (``which``,
+    default ``AIAK_FUSED_OPTIM_THREAD_POOL``, else "openmp"); returns the one in use.  Torch's
+    threads are the default: an optimizer step follows backward, whose OpenMP threads keep
+    the other cores busy for a while, so a pool of our own finds them taken (why:
+    csrc/fused_optim/module.cpp)."""
+    if cpu_ext is None:
+        return "unavailable"
+    if which is None:
+        which = env_choice(THREADS_ENV_VAR, "openmp", THREAD_POOLS)
+    elif which not in THREAD_POOLS:
+        raise ValueError(f"thread pool {which!r}: expected one of {', '.join(THREAD_POOLS)}")
+    path = torch_openmp_library() if which == "openmp" else None
+    cpu_ext.use_openmp(path or "")
+    return cpu_ext.threads_backend()
+
+
+choose_thread_pool()
 
 def to_float(x: Any) -> float:
     """Python float of a hyper-parameter that may be a 1-element tensor (as torch allows)."""
