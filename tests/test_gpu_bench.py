@@ -57,3 +57,21 @@ def test_gpu_check_script_parses_and_rejects_bad_arguments():
     assert bad.returncode == 2 and "--budget must be whole seconds" in bad.stderr
     unknown = subprocess.run(["bash", script, "--fast"], capture_output=True, text=True)
     assert unknown.returncode == 2 and "unknown argument --fast" in unknown.stderr
+
+
+def test_gpu_host_cost_bench_runs_on_the_stand_ins(tmp_path):
+    """benchmarks/gpu_host_cost_bench.py times the CUDA path's host work on the stand-ins of
+    tests/parallel/gpu_fakes.py: it must run here, every count through the GPU executor."""
+    out = tmp_path / "host_cost.json"
+    proc = run_ranks([1], [sys.executable, "benchmarks/gpu_host_cost_bench.py", "--reps", "5",
+                           "--json", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    data = json.loads(out.read_text())
+    assert set(data["ratios"]) == {"gpu_path_host_us_per_tensor", "gpu_executor_us_per_tensor",
+                                   "host_path_us_per_tensor"}
+    assert all(v == v for v in data["ratios"].values())  # no NaN
+    names = {r["name"] for r in data["results"]}
+    assert {f"{k}_{n}_tensors" for k in ("gpu", "executor", "host")
+            for n in (8, 32, 64, 161)} == names
+    # One executor call per grouped allreduce: the GPU path really ran.
+    assert all(r["reps"] == 5 for r in data["results"] if r["name"].startswith("executor"))
