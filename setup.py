@@ -101,6 +101,10 @@ def _restore(cached: str, target: str) -> bool:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
         _copy_atomically(cached, target)
+        # Dated now, not when it was cached: ``build_ext --inplace`` copies the library into
+        # the checkout only when it is newer than the one there, so an older cached build
+        # (the sources put back to an earlier state) would otherwise never replace it.
+        os.utime(target)
         return True
     except FileNotFoundError:  # not cached, or pruned by a concurrent build just now
         return False

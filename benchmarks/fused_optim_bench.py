@@ -359,7 +359,7 @@ def time_variants(vs: List[Variant], dev: str, args) -> List[Variant]:
             v.fn()
     sync()
     sleep_cycles, sleep_s = 0, 0.0
-    scratch = torch.ones(4 << 20)  # 16 MiB for torch_op
+    scratch = torch.ones(4 << 20) if args.pattern == "after_torch_op" else None  # 16 MiB
 
     def torch_op() -> None:
         """Torch intra-op work on all threads, as the backward pass before a training

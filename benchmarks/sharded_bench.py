@@ -25,7 +25,8 @@ Each timed sample is the slowest rank's iteration
 after warm-up, each round starting one variant later than the one before.  ``--order`` sets
 the order the variants are built in (and the first round's): on these machines an
 optimizer's speed depended on its position among those built in one process by up to 15%,
-so compare runs over several orders.  The sharded optimizer runs in both gradient modes (AIAK_SHARD_GRADIENTS):
+so compare runs over several orders.  The sharded optimizer runs in both gradient modes
+(AIAK_SHARD_GRADIENTS):
 ``sharded`` with the default, bounded gradients, ``sharded_flat`` with flat ones (each p.grad
 a view of its bucket's buffer, reduce-scattered in place).
 

@@ -447,6 +447,31 @@ def test_torch_openmp_threads_and_own_pool_agree(monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_forked_child_steps_on_its_own_pool():
+    """GNU OpenMP hangs in a forked child whose parent ran OpenMP threads: after fork() the
+    kernels go back to their own pool, so a child's step finishes (within the timeout)."""
+    code = (
+        "import os, torch\n"
+        "import aiak_training.fused_optim as fo\n"
+        "ps = [torch.randn(1 << 20) for _ in range(4)]\n"
+        "for p in ps: p.grad = torch.ones_like(p)\n"
+        "opt = fo.FusedAdam(ps, lr=1e-3); opt.step()\n"
+        "print('parent', fo._cpu_ext.threads_backend(), flush=True)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        # No torch op on whole tensors in the child: torch's own would hang there.
+        "    before = float(ps[0][0]); opt.step()\n"
+        "    moved = float(ps[0][0]) < before\n"
+        "    print('child', fo._cpu_ext.threads_backend(), moved, flush=True); os._exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('status', status)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, AIAK_FUSED_OPTIM_THREADS="2"))
+    lines = out.stdout.split("\n")
+    assert lines[0] == "parent " + B.choose_thread_pool(), out.stdout + out.stderr
+    assert "child pool True" in lines and "status 0" in lines, out.stdout + out.stderr
+
+
 def test_thread_pool_setting_is_checked():
     code = "import aiak_training.fused_optim as fo; print(fo._cpu_ext.threads_backend())"
     run = lambda value: subprocess.run(  # noqa: E731

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -90,8 +91,12 @@ def test_unchanged_sources_reuse_the_build(setup_py, tmp_path, monkeypatch):
     assert count.calls == 1 and _answer(first) == 41
     assert len(os.listdir(tmp_path / "cache")) == 1
 
+    restored_after = time.time()
     second = _build(setup_py, tmp_path, "two")      # a fresh build directory: no compile
     assert count.calls == 1
+    # Dated when restored, not when cached: `build_ext --inplace` copies a library into the
+    # checkout only when it is newer than the one there.
+    assert os.path.getmtime(second) >= restored_after > os.path.getmtime(first) - 1
     with open(first, "rb") as a, open(second, "rb") as b:
         assert a.read() == b.read()
 

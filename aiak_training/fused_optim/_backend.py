@@ -81,6 +81,7 @@ def choose_thread_pool(which: Optional[str] = None) -> str:
 
 choose_thread_pool()
 
+
 def to_float(x: Any) -> float:
     """Python float of a hyper-parameter that may be a 1-element tensor (as torch allows)."""
     if isinstance(x, torch.Tensor):

@@ -357,9 +357,7 @@ class ShardedStrategy(DistributedWrapper):
         if self._flat_grads:
             bucket.adopt_gradient(p)
         elif p.grad is not None:
-            if bucket.staging is None:
-                bucket.staging = self._take_buffer(bucket)
-            bucket.stage_gradient(p)
+            self._stage(bucket).stage_gradient(p)
         self._allreduce_delay[p] -= 1
         self._handles.setdefault(bucket, (None, None))
         if self._allreduce_delay[p] == 0:
@@ -383,8 +381,7 @@ class ShardedStrategy(DistributedWrapper):
             self._handles[bucket] = (handle, None)
             bucket.ready = 0
             return
-        buf = bucket.staging if bucket.staging is not None else self._take_buffer(bucket)
-        bucket.staging = buf
+        buf = self._stage(bucket).staging
         flat = bucket.staged_gradient()  # every p.grad is None from here on
         bucket.staging = None
         # The result goes straight into the shard's gradient buffer: nothing is pooled.
@@ -416,6 +413,12 @@ class ShardedStrategy(DistributedWrapper):
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)  # each wait overshoots by at most this
             self._finish_reduce(bucket, handle, flat)
+
+    def _stage(self, bucket: _Bucket) -> _Bucket:
+        """``bucket``, with a staging buffer from the first gradient of the step on."""
+        if bucket.staging is None:
+            bucket.staging = self._take_buffer(bucket)
+        return bucket
 
     def _take_buffer(self, bucket: _Bucket) -> torch.Tensor:
         """A reused flat buffer that holds at least ``bucket.padded`` elements."""

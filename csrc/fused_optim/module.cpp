@@ -12,6 +12,7 @@
 #include <pybind11/stl.h>
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -220,10 +221,17 @@ void omp_body(void* data) {  // every thread of the region takes items until non
   }
 }
 
+// GNU OpenMP is not fork-safe: a child of a process whose OpenMP threads ran hangs in its
+// first parallel region (torch's own ops too).  Our pool rebuilds itself after fork(), so a
+// child goes back to it.
+void forget_openmp_in_child() { g_gomp_parallel.store(nullptr); }
+
 // Use the OpenMP runtime at `path`, already loaded in this process (by torch), for parallel
 // calls; "" goes back to our own pool.  False (and our own pool) if it is not loaded or has
 // no GOMP_parallel.
 bool use_openmp(const std::string& path) {
+  static const bool at_fork = pthread_atfork(nullptr, nullptr, forget_openmp_in_child) == 0;
+  (void)at_fork;
   if (path.empty()) {
     g_gomp_parallel.store(nullptr);
     return false;
