@@ -1,14 +1,14 @@
 """Host time per tensor of a grouped CUDA allreduce, measured without a GPU (issue 29).
 
-Issue 29 asks for the per-tensor loops of the CUDA path (submit, execute, complete) to move
-to C++, as the host path's are.  Before moving code down a layer this measures what those
-loops cost now.  The engine and the GPU executor run grouped allreduces of ``n`` one-element
-tensors on the host-memory stand-ins for libcudart and NCCL of tests/parallel/gpu_fakes.py
-(driven as tests/parallel/test_gpu_executor.py drives them: a request and an entry per
-tensor, as the torch frontend builds them, then a wait per handle).  The batched-copy
-kernel's stand-in is one C++ call (``native.copy_batch``), like the real launch.  So what is
-timed is this library's host work plus the stand-ins' (a CUDA call is a Python method call,
-NCCL's allreduce one MPI call on host memory), never CUDA's.
+Issue 29 asks for the per-tensor loops of the CUDA path (submit, execute, complete) to be in
+C++, as the host path's are.  This measures what those loops cost, without a GPU.  The engine
+and the GPU executor run grouped allreduces of ``n`` one-element tensors on the host-memory
+stand-ins for libcudart and NCCL of tests/parallel/gpu_fakes.py, submitted and waited on as
+the torch frontend does (tests/parallel/test_gpu_executor.py's ``run``: one list per field to
+``Engine.submit_allreduces``, one ``wait_all``).  The batched-copy kernel's stand-in is one
+C++ call (``native.copy_batch``), like the real launch.  So what is timed is this library's
+host work plus the stand-ins' (a CUDA call is a Python method call, NCCL's allreduce one MPI
+call on host memory), never CUDA's.
 
 For comparison, the host path: ``hvd.grouped_allreduce_`` of ``n`` CPU tensors.
 
@@ -68,8 +68,9 @@ def main(argv=None) -> None:
 
     def timed_allreduce(self, state, group):
         start = time.perf_counter()
-        allreduce(self, state, group)
+        event = allreduce(self, state, group)
         executor_s.append(time.perf_counter() - start)
+        return event
     gpu_executor.GpuExecutor.allreduce = timed_allreduce
 
     results, medians = [], {"gpu": [], "executor": [], "host": []}

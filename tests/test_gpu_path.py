@@ -229,3 +229,16 @@ def test_shared_event_returns_to_the_pool_with_its_last_use():
     rt.event_put(shared)
     rt.event_put(other)
     assert sorted([rt.event_get(), rt.event_get()]) == sorted([shared, other])
+
+
+def test_uses_given_back_together_count_as_many():
+    """synchronize gives a fused response's event back once with the count of its tensors
+    (event_put(event, uses)): the event returns to the pool with exactly its last use."""
+    from aiak_training.common.gpu.cudart import Runtime
+    lib = _FakeCudart()
+    rt = Runtime(lib, "fake")
+    shared = rt.record(7, uses=5)
+    rt.event_put(shared, 4)
+    assert rt.record(8) != shared  # one use still out
+    rt.event_put(shared, 1)
+    assert rt.record(9) == shared and lib.created == 2

@@ -18,7 +18,7 @@ watchdog, the timeline, and the life cycle.  Frontends submit requests and get i
 handles back; nothing here calls into a frontend.
 """
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from mpi4py import MPI
 
@@ -313,9 +313,13 @@ class Engine:
         tuples, lane_names = [], []
         for req, entry in zip(requests, entries):
             op = req.op_type
-            # Adasum runs in Python (allreduce/adasum.py) whatever the set's algorithm.
-            lane = req.device >= 0 or op in _LANE_OPS or (
-                op == OpType.ALLREDUCE and (not flat or req.reduce_op == ReduceOp.ADASUM))
+            # Adasum runs in Python (allreduce/adasum.py) whatever the set's algorithm.  The C++
+            # thread keeps the entries of CUDA allreduces itself and hands them to the lane
+            # fused, as lists (csrc/engine's GpuAllreduce); the lane holds the others'.
+            if op == OpType.ALLREDUCE:
+                lane = req.device < 0 and (not flat or req.reduce_op == ReduceOp.ADASUM)
+            else:
+                lane = req.device >= 0 or op in _LANE_OPS
             if lane and state is not None:
                 # The lane reads the entry: it must be in place before the C++ thread can
                 # see the request.
@@ -326,7 +330,7 @@ class Engine:
             tuples.append((req.rank, req.name, int(op), int(req.dtype), req.shape,
                            int(req.reduce_op), float(req.prescale), float(req.postscale),
                            int(req.root), req.splits, req.payload, int(req.device),
-                           entry.in_addr, entry.out_addr, lane))
+                           entry.in_addr, entry.out_addr, lane, entry.stream, entry.ready_event))
         try:
             handles = self.core.enqueue(set_id, tuples)
         except BaseException as exc:
@@ -343,18 +347,13 @@ class Engine:
                          in_addr: int, out_addr: int, reduce_op: int, prescale: float,
                          postscale: float, keep: object) -> int:
         """One allreduce of host memory (``rank``: this rank in the set); returns its handle.
-        The frontends' per-tensor hot path: no Request/TensorEntry objects are built unless
-        the lane runs it.  ``keep`` stays referenced until the handle is waited on."""
-        tuner = self.autotune
-        if tuner is not None and set_id == 0:
-            tuner.on_allreduce(name)
-        if set_id not in self._flat_sets or reduce_op == ReduceOp.ADASUM:
-            # The lane runs it (hierarchical algorithm, Adasum), or enqueue raises the usual
-            # error.
-            req = Request(rank, name, OpType.ALLREDUCE, dtype, shape, reduce_op, prescale,
-                          postscale)
-            entry = TensorEntry(name, dtype, shape, in_addr, out_addr, keep=keep)
-            return self.enqueue(set_id, [req], [entry])[0]
+        The frontends' per-tensor hot path (what ``DistributedOptimizer`` submits per
+        gradient): scalars rather than :meth:`submit_allreduces`' lists, which would cost a
+        tenth of the call.  ``keep`` stays referenced until the handle is waited on."""
+        if set_id not in self._flat_sets or reduce_op == ReduceOp.ADASUM or \
+                self.autotune is not None:
+            return self.submit_allreduces(set_id, rank, [name], [dtype], [shape], [in_addr],
+                                          [out_addr], reduce_op, prescale, postscale, keep)[0]
         try:
             hid = self.core.enqueue_allreduce(set_id, rank, name, dtype, shape, in_addr,
                                               out_addr, reduce_op, prescale, postscale)
@@ -364,6 +363,42 @@ class Engine:
         if self.timeline.active:
             self.timeline.begin(name, "NEGOTIATE_ALLREDUCE")
         return hid
+
+    def submit_allreduces(self, set_id: int, rank: int, names: List[str], dtypes: List[int],
+                          shapes: List[tuple], ins: List[int], outs: List[int],
+                          reduce_op: int, prescale: float, postscale: float, keep: object,
+                          device: int = -1, stream: int = 0,
+                          ready_event: int = 0) -> List[int]:
+        """The allreduces of one call (``rank``: this rank in the set), one list per field;
+        returns their handles (:meth:`submit_allreduce` for one host tensor).  No
+        Request/TensorEntry objects are built unless the lane runs them (host tensors of a set
+        without the flat algorithm, Adasum).  CUDA tensors (``device`` >= 0) wait for
+        ``ready_event``, recorded on the producer's ``stream``.  ``keep`` stays referenced
+        until the handles are waited on."""
+        tuner = self.autotune
+        if tuner is not None and set_id == 0:
+            for name in names:
+                tuner.on_allreduce(name)
+        if device < 0 and (set_id not in self._flat_sets or reduce_op == ReduceOp.ADASUM):
+            # The lane runs them (hierarchical algorithm, Adasum), or enqueue raises the usual
+            # error.
+            requests = [Request(rank, n, OpType.ALLREDUCE, dt, shape, reduce_op, prescale,
+                                postscale) for n, dt, shape in zip(names, dtypes, shapes)]
+            entries = [TensorEntry(n, dt, shape, i, o)
+                       for n, dt, shape, i, o in zip(names, dtypes, shapes, ins, outs)]
+            entries[0].keep = keep
+            return self.enqueue(set_id, requests, entries)
+        try:
+            handles = self.core.enqueue_allreduces(set_id, rank, names, dtypes, shapes, ins,
+                                                   outs, reduce_op, prescale, postscale, device,
+                                                   stream, ready_event)
+        except BaseException as exc:
+            raise _translate(exc) from None
+        self._keep[handles[0]] = keep
+        if self.timeline.active:
+            for name in names:
+                self.timeline.begin(name, "NEGOTIATE_ALLREDUCE")
+        return handles
 
     def run_control(self, set_id: int, op_type: OpType, name: str, payload=None):
         """Submit one control request (join, barrier, process-set changes) and wait for its
@@ -411,6 +446,29 @@ class Engine:
         """:meth:`wait`, returning only the handle's result (the frontends' hot path)."""
         return self._wait(handle)[0]
 
+    def wait_all(self, handles: List[int]) -> Tuple[List[Any], List[int]]:
+        """Wait for every handle of one call and forget them all: (results, completion
+        events), one per handle.  Raises the first failure, once all are done."""
+        try:
+            results, events = self.core.wait_all(handles)
+        except IndexError as exc:
+            for h in handles:
+                self._forget(h)
+            raise unknown_handle(int(str(exc))) from None
+        except native.EngineStopped as exc:
+            for h in handles:
+                self._forget(h)
+            raise HorovodInternalError(str(exc)) from None
+        keep = self._keep
+        for h in handles:
+            keep.pop(h, None)
+        if self.results:  # only lane-executed ops leave a Python result here
+            for i, h in enumerate(handles):
+                lane_result = self.results.pop(h, None)
+                if lane_result is not None:
+                    results[i] = lane_result
+        return results, events
+
     def wait_any(self, handles: Sequence[int], timeout: Optional[float] = None) -> List[int]:
         """Block until at least one of ``handles`` completes; return all that have, in the
         order given.  They stay registered: :meth:`wait` then returns their results without
@@ -456,14 +514,17 @@ class Engine:
         return out
 
     # ---- the lane ------------------------------------------------------------------------
-    def _lane(self, kind: str, set_id: int, payload) -> Optional[str]:
+    def _lane(self, kind: str, set_id: int, payload) -> Union[None, str, int]:
         """Called by the C++ thread, with the GIL, for what needs Python (module doc).
-        Returns a failure message to stop the engine with, or None."""
+        Returns a failure message to stop the engine with, None, or for "gpu_allreduce" the
+        fused response's completion event."""
         try:
             if kind == "execute":
                 state = self.sets.get(set_id)
                 responses = [Response(OpType(t[0]), *t[1:]) for t in payload]
                 self.executor.execute(state, responses)
+            elif kind == "gpu_allreduce":  # returns the completion event
+                return self.executor.gpu_allreduce(self.sets.get(set_id), payload)
             elif kind == "timeline":
                 timeline = self.timeline
                 for name, activity, ts in payload:

@@ -3,7 +3,8 @@
 The engine's own thread runs flat host allreduces and broadcasts in C++; it calls the lane
 (runtime/engine.py) with the responses that need Python: GPU collectives, allgather, alltoall,
 reducescatter, process-set changes, Adasum and the hierarchical allreduce algorithms.  This
-module runs them.  Allreduce responses that agree on dtype, op and scale factors are fused:
+module runs them.  CUDA allreduces arrive already fused by the C++ thread; other allreduce
+responses that agree on dtype, op and scale factors are fused:
 small tensors are packed into one reusable buffer (one transfer), while tensors of at least
 ``AIAK_ZERO_COPY_BYTES`` are reduced in place, since copying them in and out would cost more
 than the extra call saves.
@@ -61,7 +62,14 @@ class Executor:
             self._gpu_executor.close(clean)
 
     # ---- dispatch ----------------------------------------------------------------------
+    def gpu_allreduce(self, state: SetState, payload: tuple) -> int:
+        """Run a fused allreduce of CUDA tensors (the C++ thread fused it, and passes it as
+        csrc/engine's GpuAllreduce tuple); returns its completion event."""
+        from aiak_training.runtime.gpu_executor import FusedAllreduce
+        return self._gpu().allreduce(state, FusedAllreduce(*payload))
+
     def execute(self, state: SetState, responses: List[Response]) -> None:
+        """Run responses other than CUDA allreduces (see :meth:`gpu_allreduce`)."""
         threshold = self.config.fusion_threshold
         done = self.completer
         tracing = done.timeline.active
@@ -91,10 +99,7 @@ class Executor:
                         done.activity(responses[j], None)
                         done.activity(responses[j], "ALLREDUCE")
                     j += 1
-                if resp.gpu:
-                    self._gpu().allreduce(state, group)
-                else:
-                    self._allreduce(state, group)
+                self._allreduce(state, group)
                 i = j
                 continue
             if resp.gpu:

@@ -1,9 +1,12 @@
 """Executing negotiated responses whose tensors live in GPU memory.
 
 Runs on the engine thread, called by :class:`aiak_training.runtime.executor.Executor` for
-responses with ``gpu=True``.  Everything is enqueued on one engine stream per device, which
-first waits for the tensors' ``ready_event`` (recorded on the producer's stream when they were
-submitted: one event per call, shared by its tensors, so one wait per call).  A response
+responses with ``gpu=True``.  Allreduces come already fused by the C++ thread, as one
+:class:`FusedAllreduce` of lists (it holds their entries and completes them with the event
+returned here); the other collectives come as responses.  Everything is enqueued on one
+engine stream per device, which first waits for the tensors' ``ready_event`` (recorded on
+the producer's stream when they were submitted: one event per call, shared by its tensors,
+so one wait per call).  A response
 completes as soon as its work is enqueued: one completion event is recorded for all its
 tensors, and the frontend makes the consumer's stream wait on it.  Shared events are counted
 (``Runtime.record``'s ``uses``), so the pool takes one back only from its last holder.  The
@@ -29,6 +32,7 @@ Transports, agreed by all ranks of a process set on its first GPU response:
 """
 import logging
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Tuple
 
@@ -88,6 +92,25 @@ class _HostBuffer:
     def free(self) -> None:
         self.rt.free_host(self.addr)
         self.addr, self.nbytes = 0, 0
+
+
+class FusedAllreduce:
+    """A fused allreduce of CUDA tensors as the C++ thread hands it to the lane
+    (csrc/engine/engine.h, ``GpuAllreduce``): one list per field, built once per response
+    rather than an object per tensor.  Tensor ``i`` of this rank reads ``ins[i]`` and writes
+    ``outs[i]``, after its producer's ``ready_events[i]``; indices in ``missing`` are tensors
+    of ranks that joined, where this rank contributes ``counts[i]`` zeros."""
+    __slots__ = ("names", "dtype", "reduce_op", "prescale", "postscale", "joined_ranks",
+                 "device", "ins", "outs", "counts", "ready_events", "missing")
+
+    def __init__(self, names: List[str], dtype: int, reduce_op: int, prescale: float,
+                 postscale: float, joined_ranks: Tuple[int, ...], device: int, ins: List[int],
+                 outs: List[int], counts: List[int], ready_events: List[int],
+                 missing: List[int]):
+        self.names, self.dtype, self.reduce_op = names, dtype, reduce_op
+        self.prescale, self.postscale, self.joined_ranks = prescale, postscale, joined_ranks
+        self.device, self.ins, self.outs, self.counts = device, ins, outs, counts
+        self.ready_events, self.missing = ready_events, missing
 
 
 class _StagedEntry:
@@ -271,9 +294,7 @@ class GpuExecutor:
                 for d in shape:
                     count *= d
                 nbytes = count * ITEMSIZE[dtype]
-                addr = self.rt.malloc(2 * nbytes + 64)
-                self._scratch.append(addr)
-                self.rt.memset_async(addr, 0, nbytes, stream)
+                addr = self._zeros(nbytes, stream)
                 e = TensorEntry(r.names[0], dtype, shape, addr, addr, device=device,
                                 stream=-1, allocate=lambda _shape, a=addr + nbytes: a)
             elif e.ready_event:
@@ -285,6 +306,21 @@ class GpuExecutor:
                 e.ready_event = 0
             entries.append(e)
         return entries
+
+    def _zeros(self, nbytes: int, stream: int) -> int:
+        """Device memory holding ``nbytes`` zeros, with room after them for an output of
+        twice that (a joined rank's stand-in tensor), freed by :meth:`_free_scratch`."""
+        addr = self.rt.malloc(2 * nbytes + 64)
+        self._scratch.append(addr)
+        self.rt.memset_async(addr, 0, nbytes, stream)
+        return addr
+
+    def _free_scratch(self, stream: int) -> None:
+        if self._scratch:  # joined-rank zeros: rare; wait, then free
+            self.rt.stream_synchronize(stream)
+            for addr in self._scratch:
+                self.rt.free(addr)
+            self._scratch.clear()
 
     def _allocate(self, e: TensorEntry, shape, stream: int) -> int:
         """The output of an allgather/alltoall/reducescatter, allocated by the frontend on the
@@ -304,61 +340,78 @@ class GpuExecutor:
         events = dict.fromkeys(local, self.rt.record(stream, uses=len(local))) if local \
             else None
         self.completer.finish(state, responses, result=result, events=events)
-        if self._scratch:  # joined-rank zeros: rare; wait, then free
-            self.rt.stream_synchronize(stream)
-            for addr in self._scratch:
-                self.rt.free(addr)
-            self._scratch.clear()
+        self._free_scratch(stream)
 
     # ---- allreduce ---------------------------------------------------------------------
-    def allreduce(self, state: SetState, group: List[Response]) -> None:
-        first = group[0]
-        dtype, op = DataType(first.dtype), ReduceOp(first.reduce_op)
-        entries = self._entries(state, group, self._stream)
+    def allreduce(self, state: SetState, call: FusedAllreduce) -> int:
+        """Enqueue a fused allreduce on the engine stream; return its completion event, with
+        one use per tensor of this rank (0 if it has none: it joined).  The C++ thread
+        completes the tensors with it."""
+        dtype, op = DataType(call.dtype), ReduceOp(call.reduce_op)
+        if call.device >= 0:
+            self._device = call.device
+        device = self._current_device()
+        self.rt.set_device(device)
+        stream = self._stream(device)
+        self._wait_ready(stream, call.ready_events)
+        item = ITEMSIZE[dtype]
+        for i in call.missing:  # this rank joined: it contributes zeros
+            call.ins[i] = call.outs[i] = self._zeros(call.counts[i] * item, stream)
         ctx = self._context(state)
-        stream = self._stream(ctx.device)
         plan = None
         if ctx.transport == "nccl":
-            plan = nccl.plan_reduction(dtype, op, first.prescale, first.postscale, state.size,
+            plan = nccl.plan_reduction(dtype, op, call.prescale, call.postscale, state.size,
                                        ctx.nccl_version)
+        nbytes = [c * item for c in call.counts]
         if plan is None:  # the CPU code it runs marks MPI_ALLREDUCE on the timeline
-            self._staged_allreduce(state, entries, dtype, op, first.prescale,
-                                   average_postscale(first, state.size), stream)
+            self._staged_allreduce(state, call, nbytes, dtype, op, call.prescale,
+                                   average_postscale(call, state.size), stream)
         else:  # the timeline shows the enqueueing; the device runs it later
-            names = [e.name for e in entries]
-            self.completer.activity(names, "NCCL_ALLREDUCE")
-            self._nccl_allreduce(ctx, entries, dtype, plan, stream)
-            self.completer.activity(names, None)
-        self._complete(state, group, stream)
+            self.completer.activity(call.names, "NCCL_ALLREDUCE")
+            self._nccl_allreduce(ctx, call, nbytes, dtype, plan, stream)
+            self.completer.activity(call.names, None)
+        local = len(call.names) - len(call.missing)
+        event = self.rt.record(stream, uses=local) if local else 0
+        self._free_scratch(stream)
+        return event
 
-    def _nccl_allreduce(self, ctx: _SetContext, entries, dtype: DataType, plan,
-                        stream: int) -> None:
-        itemsize = ITEMSIZE[dtype]
+    def _wait_ready(self, stream: int, ready_events: List[int]) -> None:
+        """The engine stream waits once for each producer event (the tensors of one call
+        share one), and gives back the uses its tensors held."""
+        for event, uses in Counter(ready_events).items():
+            if event:
+                self.rt.wait_event(stream, event)
+                self.rt.event_put(event, uses)
+
+    def _nccl_allreduce(self, ctx: _SetContext, call: FusedAllreduce, nbytes: List[int],
+                        dtype: DataType, plan, stream: int) -> None:
+        ins, outs, counts = call.ins, call.outs, call.counts
         zero_copy = ctx.zero_copy_bytes
-        packed = [e for e in entries if e.nbytes < zero_copy]
-        direct = [e for e in entries if e.nbytes >= zero_copy]
-        if len(packed) == 1:
-            direct, packed = direct + packed, []
+        packed = [i for i, n in enumerate(nbytes) if n < zero_copy]
+        if len(packed) > 1:
+            direct = [i for i, n in enumerate(nbytes) if n >= zero_copy]
+        else:  # a lone small tensor gains nothing from the fusion buffer
+            packed, direct = [], range(len(nbytes))
         # (send, recv, count) of each NCCL allreduce this response makes.
-        calls = [(e.in_addr, e.out_addr, e.count) for e in direct if e.count]
+        calls = [(ins[i], outs[i], counts[i]) for i in direct if counts[i]]
         if packed:
             # 16-byte slots keep the copy kernel on its vector path; the few padding elements
             # are reduced along (16 is a multiple of every element size) and never read.
-            sizes = [e.nbytes for e in packed]
+            sizes = [nbytes[i] for i in packed]
             offsets = packed_offsets(0, sizes, FUSION_ALIGN)
             total = offsets[-1] + sizes[-1]
             base = self._fusion_buffer(ctx.device, total)
             offsets = [base + off for off in offsets]
-            self._device_copy(offsets, [e.in_addr for e in packed], sizes, stream)
+            self._device_copy(offsets, [ins[i] for i in packed], sizes, stream)
             if total:
-                calls.append((base, base, total // itemsize))
+                calls.append((base, base, total // ITEMSIZE[dtype]))
         if self._hierarchical(ctx, plan[0], dtype):
             for send, recv, count in calls:
                 self._hier_allreduce(ctx, send, recv, count, dtype, plan, stream)
         elif calls:
             self._flat_allreduce(ctx, calls, dtype, plan, stream)
         if packed:
-            self._device_copy([e.out_addr for e in packed], offsets, sizes, stream)
+            self._device_copy([outs[i] for i in packed], offsets, sizes, stream)
 
     def _device_copy(self, dsts, srcs, sizes, stream: int) -> None:
         """Device-to-device copies: the batched kernel, or cudaMemcpyAsync per buffer if the
@@ -411,16 +464,16 @@ class GpuExecutor:
                             nccl.NCCL_DTYPE[dtype], op, factor, stream, cross_stream,
                             ctx.local_rank, ctx.local_size, ctx.chunk_bytes)
 
-    def _staged_allreduce(self, state, entries, dtype, op, pre, post, stream) -> None:
-        sizes = [e.nbytes for e in entries]
-        names = [e.name for e in entries]
-        if not (self._batched and len(entries) > 1):
+    def _staged_allreduce(self, state, call: FusedAllreduce, sizes: List[int], dtype, op, pre,
+                          post, stream) -> None:
+        names = call.names
+        if not (self._batched and len(sizes) > 1):
             host = self._stage_in.get(sum(sizes))
-            offsets = pack(self.rt, host, [e.in_addr for e in entries], sizes, stream)
+            offsets = pack(self.rt, host, call.ins, sizes, stream)
             self.rt.stream_synchronize(stream)
             self.host.reduce_host(state, names, host, sum(sizes) // ITEMSIZE[dtype], dtype, op,
-                                 pre, post)
-            unpack(self.rt, [e.out_addr for e in entries], offsets, sizes, stream)
+                                  pre, post)
+            unpack(self.rt, call.outs, offsets, sizes, stream)
             self._stage_in.release_after(stream)
             return
         # Gathered in the device fusion buffer first (one kernel launch per 64 tensors), then
@@ -430,13 +483,13 @@ class GpuExecutor:
         total = offsets[-1] + sizes[-1]
         base = self._fusion_buffer(self._current_device(), total)
         slots = [base + off for off in offsets]
-        self._device_copy(slots, [e.in_addr for e in entries], sizes, stream)
+        self._device_copy(slots, call.ins, sizes, stream)
         host = self._stage_in.get(total)
         self.rt.memcpy_async(host, base, total, stream)
         self.rt.stream_synchronize(stream)
         self.host.reduce_host(state, names, host, total // ITEMSIZE[dtype], dtype, op, pre, post)
         self.rt.memcpy_async(base, host, total, stream)
-        self._device_copy([e.out_addr for e in entries], slots, sizes, stream)
+        self._device_copy(call.outs, slots, sizes, stream)
         self._stage_in.release_after(stream)
 
     # ---- allgather / broadcast / alltoall / reducescatter ------------------------------

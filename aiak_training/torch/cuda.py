@@ -6,6 +6,7 @@ for the producer through an event recorded on ``torch.cuda.current_stream()`` at
 and ``synchronize`` makes the then-current stream (and the submitting one) wait for the
 result, so no host or device synchronize is needed on the hot path.
 """
+from collections import Counter
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -35,7 +36,7 @@ def used_device() -> Optional[int]:
 def ready(tensors: Sequence[torch.Tensor]) -> Tuple[int, "torch.cuda.Stream", int]:
     """(device, producer stream, ready event) for the tensors of one call: the device and
     stream are looked up once, and one event recorded on the stream serves every tensor
-    (it has one use per tensor, which the engine gives back as it takes each one)."""
+    (it has one use per tensor, which the engine gives back once it has waited on it)."""
     from aiak_training.common.gpu.cudart import runtime
     device = check_device(tensors[0])
     for t in tensors[1:]:
@@ -55,8 +56,9 @@ def consume(device: int, events: Sequence[int],
     once the caller drops them the caching allocator may hand their memory to that stream's
     next kernels, which must not run before the engine has finished reading it.
     """
-    distinct = [e for e in dict.fromkeys(events) if e]
-    if not distinct:
+    uses = Counter(events)
+    uses.pop(0, None)
+    if not uses:
         return
     from aiak_training.common.gpu.cudart import runtime
     rt = runtime()
@@ -65,12 +67,17 @@ def consume(device: int, events: Sequence[int],
         waiting = [int(current.cuda_stream)]
         if submitted_on is not None and submitted_on != current:
             waiting.append(int(submitted_on.cuda_stream))
-        for event in distinct:
+        for event in uses:
             for stream in waiting:
                 rt.wait_event(stream, event)
-    for event in events:
-        if event:
-            rt.event_put(event)
+    for event, n in uses.items():
+        rt.event_put(event, n)
+
+
+def give_back(event: int, uses: int) -> None:
+    """Return the uses of a ready event whose call was refused (the engine took none)."""
+    from aiak_training.common.gpu.cudart import runtime
+    runtime().event_put(event, uses)
 
 
 def event_done(event: int) -> bool:

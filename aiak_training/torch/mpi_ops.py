@@ -123,13 +123,7 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
     engine = current.engine()
     set_rank = array_ops.set_rank(process_set, engine)
     dtypes = [_dtype(inp) for inp, _ in pairs]  # all valid before a name is taken
-    on_gpu = pairs[0][0].is_cuda
-    if len(pairs) > 1:
-        other = next((inp for inp, _ in pairs if inp.is_cuda != on_gpu), None)
-        if other is not None:
-            raise ValueError(f"A grouped operation takes tensors on one device: got "
-                             f"{pairs[0][0].device} and {other.device} tensors mixed in one "
-                             "call. Move them to one device first.")
+    on_gpu = _on_gpu([inp for inp, _ in pairs])
     names = names.resolve(len(pairs), process_set.process_set_id)
     requests, entries = [], []
     device, stream, event = -1, None, 0
@@ -160,6 +154,18 @@ def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tens
     if on_gpu:
         _gpu_handles[user_handle] = handles
     return user_handle
+
+
+def _on_gpu(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the tensors of one call are CUDA tensors; a clear error if they mix devices."""
+    on_gpu = tensors[0].is_cuda
+    if len(tensors) > 1:
+        other = next((t for t in tensors if t.is_cuda != on_gpu), None)
+        if other is not None:
+            raise ValueError(f"A grouped operation takes tensors on one device: got "
+                             f"{tensors[0].device} and {other.device} tensors mixed in one "
+                             "call. Move them to one device first.")
+    return on_gpu
 
 
 def _contiguous_inplace(tensor: torch.Tensor) -> Tuple[torch.Tensor, Callable[[], None]]:
@@ -327,9 +333,8 @@ def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor],
     if len(tensors) == 1 and tensors[0].is_cpu:
         return _submit_host_allreduce(tensors[0], outputs[0], names, rop, prescale_factor,
                                       postscale_factor, process_set, finish)
-    return _submit(OpType.ALLREDUCE, list(zip(tensors, outputs)), names, process_set, finish,
-                   reduce_op=int(rop), prescale=float(prescale_factor),
-                   postscale=float(postscale_factor))
+    return _submit_allreduces(tensors, outputs, names, rop, prescale_factor, postscale_factor,
+                              process_set, finish)
 
 
 def _submit_host_allreduce(src: torch.Tensor, out: torch.Tensor, names: array_ops.Names,
@@ -349,6 +354,53 @@ def _submit_host_allreduce(src: torch.Tensor, out: torch.Tensor, names: array_op
     wait = engine.wait_result
     _handle_map[handle] = lambda: finish([wait(handle)])
     return handle
+
+
+def _submit_allreduces(srcs: List[torch.Tensor], outs: List[torch.Tensor],
+                       names: array_ops.Names, rop: ReduceOp, prescale_factor: float,
+                       postscale_factor: float, process_set: ProcessSet, finish) -> int:
+    """The allreduces of one call other than a lone CPU tensor: one list per field to the
+    engine and no Request/TensorEntry objects; for CUDA tensors one ready event for the call,
+    and one wait for all its handles at synchronize."""
+    engine = current.engine()
+    set_id = process_set.process_set_id
+    set_rank = engine.rank_in_set(set_id)
+    if set_rank is None:
+        set_rank = array_ops.set_rank(process_set, engine)  # raises the right error
+    dtypes = [int(_dtype(t)) for t in srcs]  # all valid before a name is taken
+    on_gpu = _on_gpu(srcs)
+    shapes = [tuple(t.shape) for t in srcs]
+    ins = [t.data_ptr() for t in srcs]
+    outputs = [t.data_ptr() for t in outs]
+    names = names.resolve(len(srcs), set_id)
+    pre, post = float(prescale_factor), float(postscale_factor)
+    if not on_gpu:
+        handles = engine.submit_allreduces(set_id, set_rank, names, dtypes, shapes, ins,
+                                           outputs, int(rop), pre, post, (srcs, outs))
+        wait_all = engine.wait_all
+        _handle_map[handles[0]] = lambda: finish(wait_all(handles)[0])
+        return handles[0]
+    # One device, one producer stream and one ready event for the whole call.
+    device, stream, event = _cuda.ready(srcs)
+    held = [srcs, outs]
+    try:
+        handles = engine.submit_allreduces(set_id, set_rank, names, dtypes, shapes, ins,
+                                           outputs, int(rop), pre, post, held, device,
+                                           int(stream.cuda_stream), event)
+    except BaseException:
+        _cuda.give_back(event, len(srcs))
+        raise
+
+    def complete():
+        results, events = engine.wait_all(handles)
+        # The engine's stream may still be working: the consumer's stream waits for it.
+        # Until then the inputs stay referenced here, so their memory is not reused.
+        _cuda.consume(device, events, stream)
+        held.clear()
+        return finish(results)
+    _handle_map[handles[0]] = complete
+    _gpu_handles[handles[0]] = handles
+    return handles[0]
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,

@@ -27,8 +27,33 @@ std::atomic<Engine*> g_engine{nullptr};
 
 Shape to_shape(const py::handle& obj) {
   Shape out;
+  if (PyTuple_Check(obj.ptr())) {  // the usual case, without pybind11's iteration
+    const Py_ssize_t n = PyTuple_GET_SIZE(obj.ptr());
+    out.reserve(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(obj.ptr(), i));
+      if (d == -1 && PyErr_Occurred()) throw py::error_already_set();
+      out.push_back(d);
+    }
+    return out;
+  }
   for (auto d : obj) out.push_back(d.cast<int64_t>());
   return out;
+}
+
+// Item i of a list (the caller checked the length), as an int or a str.  Addresses fit in
+// a signed 64-bit int: user-space pointers on the platforms we build for are below 2**63.
+long long list_int(PyObject* list, size_t i) {
+  long long v = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+std::string list_str(PyObject* list, size_t i) {
+  Py_ssize_t len = 0;
+  const char* text = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(list, i), &len);
+  if (text == nullptr) throw py::error_already_set();
+  return std::string(text, static_cast<size_t>(len));
 }
 
 OptInts to_opt(const py::handle& obj) {
@@ -45,10 +70,10 @@ py::object from_opt(const OptInts& o) {
 }
 
 // (rank, name, op_type, dtype, shape, reduce_op, prescale, postscale, root, splits, payload,
-//  device, in_addr, out_addr, lane) -> the request and this rank's entry.
+//  device, in_addr, out_addr, lane, stream, ready_event) -> the request and this rank's entry.
 void parse(const py::handle& t, std::vector<Request>* reqs, std::vector<Entry>* entries) {
   auto tup = py::reinterpret_borrow<py::tuple>(t);
-  if (tup.size() != 15) throw std::invalid_argument("enqueue: a request is a 15-tuple");
+  if (tup.size() != 17) throw std::invalid_argument("enqueue: a request is a 17-tuple");
   Request r;
   r.rank = tup[0].cast<int32_t>();
   r.name = tup[1].cast<std::string>();
@@ -64,8 +89,26 @@ void parse(const py::handle& t, std::vector<Request>* reqs, std::vector<Entry>* 
   r.device = tup[11].cast<int32_t>();
   Entry e = make_entry(r, tup[12].cast<uintptr_t>(), tup[13].cast<uintptr_t>());
   e.lane = tup[14].cast<bool>();
+  e.device = r.device;
+  e.stream = tup[15].cast<int64_t>();
+  e.ready_event = tup[16].cast<int64_t>();
   reqs->push_back(std::move(r));
   entries->push_back(std::move(e));
+}
+
+Request allreduce_request(int rank, std::string name, int dtype, Shape shape, int reduce_op,
+                          double prescale, double postscale, int device) {
+  Request r;
+  r.rank = rank;
+  r.name = std::move(name);
+  r.op_type = ALLREDUCE;
+  r.dtype = dtype;
+  r.shape = std::move(shape);
+  r.reduce_op = reduce_op;
+  r.prescale = prescale;
+  r.postscale = postscale;
+  r.device = device;
+  return r;
 }
 
 py::tuple response_tuple(const Response& r) {
@@ -87,6 +130,13 @@ py::tuple response_tuple(const Response& r) {
                         r.gpu);
 }
 
+py::tuple gpu_allreduce_tuple(const GpuAllreduce& c) {
+  return py::make_tuple(py::cast(c.names), c.dtype, c.reduce_op, c.prescale, c.postscale,
+                        py::tuple(py::cast(c.joined_ranks)), c.device, py::cast(c.ins),
+                        py::cast(c.outs), py::cast(c.counts), py::cast(c.ready_events),
+                        py::cast(c.missing));
+}
+
 Lane make_lane(py::function fn) {
   auto holder = std::make_shared<py::function>(std::move(fn));
   return [holder](const std::string& kind, int set_id, const void* data) -> std::string {
@@ -98,6 +148,8 @@ Lane make_lane(py::function fn) {
         for (const auto& r : *static_cast<const std::vector<ResponsePtr>*>(data))
           l.append(response_tuple(*r));
         payload = l;
+      } else if (kind == "gpu_allreduce") {
+        payload = gpu_allreduce_tuple(*static_cast<const GpuAllreduce*>(data));
       } else if (kind == "timeline") {
         py::list l;
         for (const auto& ev : *static_cast<const std::vector<TimelineEvent>*>(data))
@@ -107,6 +159,11 @@ Lane make_lane(py::function fn) {
         payload = py::str(*static_cast<const std::string*>(data));
       }
       py::object result = (*holder)(kind, set_id, payload);
+      if (kind == "gpu_allreduce" && py::isinstance<py::int_>(result)) {
+        // The completion event of the fused response (the lane's success value).
+        static_cast<GpuAllreduce*>(const_cast<void*>(data))->event = result.cast<int64_t>();
+        return std::string();
+      }
       return result.is_none() ? std::string() : result.cast<std::string>();
     } catch (py::error_already_set& exc) {
       return std::string("The background thread failed: ") + exc.what();
@@ -203,23 +260,59 @@ void register_engine(py::module_& m) {
            },
            py::arg("set_id"), py::arg("requests"))
       .def("enqueue_allreduce",
-           // The hot path of hvd.allreduce_async: one host tensor, no tuple to build.
+           // The hot path of hvd.allreduce_async: one host tensor, no list or tuple to build.
            [](Engine& e, int set_id, int rank, std::string name, int dtype, py::tuple shape,
               uintptr_t in, uintptr_t out, int reduce_op, double prescale, double postscale) {
-             std::vector<Request> reqs(1);
-             Request& r = reqs[0];
-             r.rank = rank;
-             r.name = std::move(name);
-             r.op_type = ALLREDUCE;
-             r.dtype = dtype;
-             r.shape = to_shape(shape);
-             r.reduce_op = reduce_op;
-             r.prescale = prescale;
-             r.postscale = postscale;
-             std::vector<Entry> entries{make_entry(r, in, out)};
+             std::vector<Request> reqs{allreduce_request(rank, std::move(name), dtype,
+                                                         to_shape(shape), reduce_op, prescale,
+                                                         postscale, -1)};
+             std::vector<Entry> entries{make_entry(reqs[0], in, out)};
              py::gil_scoped_release release;
              return e.enqueue(set_id, std::move(reqs), std::move(entries))[0];
            })
+      .def("enqueue_allreduces",
+           // Allreduces of one call, one list per field and no tuple per tensor: grouped
+           // allreduces, and every allreduce of CUDA tensors.  Host tensors (device -1) run
+           // in C++; CUDA tensors are handed to the lane fused (GpuAllreduce), each waiting
+           // for `ready_event`, recorded on the producer's `stream`.  The lists are read
+           // with the CPython API, which costs a fraction of pybind11's generic conversions.
+           [](Engine& e, int set_id, int rank, py::list names, py::list dtypes, py::list shapes,
+              py::list ins, py::list outs, int reduce_op, double prescale, double postscale,
+              int device, int64_t stream, int64_t ready_event) {
+             const size_t n = names.size();
+             if (dtypes.size() != n || shapes.size() != n || ins.size() != n || outs.size() != n)
+               throw std::invalid_argument("enqueue_allreduces: one dtype, shape, input and "
+                                           "output per name");
+             std::vector<Request> reqs;
+             std::vector<Entry> entries;
+             reqs.reserve(n);
+             entries.reserve(n);
+             for (size_t i = 0; i < n; ++i) {
+               reqs.push_back(allreduce_request(
+                   rank, list_str(names.ptr(), i), static_cast<int>(list_int(dtypes.ptr(), i)),
+                   to_shape(PyList_GET_ITEM(shapes.ptr(), i)), reduce_op, prescale, postscale,
+                   device));
+               const Request& r = reqs.back();
+               entries.push_back(make_entry(r, static_cast<uintptr_t>(list_int(ins.ptr(), i)),
+                                            static_cast<uintptr_t>(list_int(outs.ptr(), i))));
+               entries.back().device = device;
+               entries.back().stream = stream;
+               entries.back().ready_event = ready_event;
+             }
+             std::vector<int64_t> handles;
+             {
+               py::gil_scoped_release release;
+               handles = e.enqueue(set_id, std::move(reqs), std::move(entries));
+             }
+             py::list out(handles.size());
+             for (size_t i = 0; i < handles.size(); ++i)
+               PyList_SET_ITEM(out.ptr(), i, PyLong_FromLongLong(handles[i]));
+             return out;
+           },
+           py::arg("set_id"), py::arg("rank"), py::arg("names"), py::arg("dtypes"),
+           py::arg("shapes"), py::arg("ins"), py::arg("outs"), py::arg("reduce_op"),
+           py::arg("prescale"), py::arg("postscale"), py::arg("device") = -1,
+           py::arg("stream") = 0, py::arg("ready_event") = 0)
       .def("wait",
            // Blocks (GIL released) until `handle` completes, forgets it, and returns
            // (result or None, completion event).  IndexError for an unknown handle,
@@ -236,6 +329,31 @@ void register_engine(py::module_& m) {
                  w.has_result ? py::object(py::int_(w.result)) : py::object(py::none()), w.event);
            },
            py::arg("handle"))
+      .def("wait_all",
+           // wait() for every handle, all forgotten even if one failed; returns (results,
+           // events), one of each per handle.  The first failure raises after all are waited.
+           [](Engine& e, const std::vector<int64_t>& handles) -> py::tuple {
+             std::vector<WaitResult> ws;
+             {
+               py::gil_scoped_release release;
+               ws = e.wait_all(handles);
+             }
+             py::list results, events;
+             const WaitResult* bad = nullptr;
+             int64_t unknown = -1;
+             for (size_t i = 0; i < ws.size(); ++i) {
+               const WaitResult& w = ws[i];
+               if (w.unknown && unknown < 0) unknown = handles[i];
+               if (w.failed && bad == nullptr) bad = &w;
+               results.append(w.has_result ? py::object(py::int_(w.result))
+                                           : py::object(py::none()));
+               events.append(w.event);
+             }
+             if (unknown >= 0) throw std::out_of_range(std::to_string(unknown));
+             if (bad != nullptr) throw EngineStopped(bad->error);
+             return py::make_tuple(results, events);
+           },
+           py::arg("handles"))
       .def("poll",
            [](Engine& e, int64_t handle) {
              auto w = e.poll(handle);

@@ -320,7 +320,7 @@ void Engine::finish(SetState& set, const ResponsePtr& resp, bool has_result, int
 }
 
 void Engine::finish(SetState& set, const std::vector<ResponsePtr>& responses, bool has_result,
-                    int64_t result) {
+                    int64_t result, int64_t event) {
   // One lock to take the entries out, one to complete them: the submitting thread contends
   // for this lock, so it is taken per batch, not per tensor.
   std::vector<std::pair<int64_t, std::optional<Signature>>> done;  // (handle or -1, signature)
@@ -350,7 +350,7 @@ void Engine::finish(SetState& set, const std::vector<ResponsePtr>& responses, bo
   std::lock_guard<std::mutex> lock(mu_);
   set.counts = counts;
   for (const auto& d : done)
-    if (d.first >= 0) complete_locked(d.first, nullptr, has_result, result, 0);
+    if (d.first >= 0) complete_locked(d.first, nullptr, has_result, result, event);
 }
 
 void Engine::finish_name(int set_id, const std::string& name, const std::string& error,
@@ -407,6 +407,13 @@ WaitResult Engine::wait(int64_t handle, bool forget) {
   out.result = h.result;
   out.event = h.event;
   if (forget) handles_.erase(it);
+  return out;
+}
+
+std::vector<WaitResult> Engine::wait_all(const std::vector<int64_t>& handles) {
+  std::vector<WaitResult> out;
+  out.reserve(handles.size());
+  for (int64_t h : handles) out.push_back(wait(h, true));
   return out;
 }
 
@@ -498,7 +505,8 @@ int64_t Engine::handle_of(int set_id, const std::string& name) const {
 bool Engine::is_lane(const SetState& set, const Response& resp) const {
   switch (resp.op_type) {
     // Adasum runs in Python (aiak_training/allreduce/adasum.py), whatever the set's algorithm.
-    case ALLREDUCE: return resp.gpu || !set.flat || resp.reduce_op == aiak::ADASUM;
+    // CUDA tensors are fused here and handed to the lane as one GpuAllreduce.
+    case ALLREDUCE: return !resp.gpu && (!set.flat || resp.reduce_op == aiak::ADASUM);
     case BROADCAST: return resp.gpu;
     case BARRIER: case JOIN: return false;
     case ERROR: {
@@ -548,7 +556,8 @@ void Engine::execute(SetState& set, const std::vector<ResponsePtr>& responses) {
           activity(r->names, nullptr);
           activity(r->names, "ALLREDUCE");
         }
-        allreduce_group(set, group);
+        if (resp->gpu) gpu_allreduce_group(set, group);
+        else allreduce_group(set, group);
         done_cv_.notify_all();
         i = j;
         continue;
@@ -728,6 +737,47 @@ void Engine::allreduce_group(SetState& set, const std::vector<ResponsePtr>& grou
   std::vector<ResponsePtr> landed;
   for (const auto& p : packed) landed.push_back(p.first);
   finish(set, landed);
+}
+
+void Engine::gpu_allreduce_group(SetState& set, const std::vector<ResponsePtr>& group) {
+  const Response& first = *group[0];
+  GpuAllreduce call;
+  call.dtype = first.dtype;
+  call.reduce_op = first.reduce_op;
+  call.prescale = first.prescale;
+  call.postscale = first.postscale;
+  call.joined_ranks = first.joined_ranks;
+  const size_t n = group.size();
+  call.names.reserve(n);
+  call.ins.assign(n, 0);
+  call.outs.assign(n, 0);
+  call.counts.assign(n, 0);
+  call.ready_events.assign(n, 0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < n; ++i) {
+      const Response& resp = *group[i];
+      call.names.push_back(resp.names[0]);
+      auto it = set.entries.find(resp.names[0]);
+      if (it == set.entries.end()) {  // this rank joined: zeros of the agreed shape
+        int64_t count = 1;
+        for (int64_t d : resp.shapes.at(0).at(set.rank)) count *= d;
+        call.counts[i] = count;
+        call.missing.push_back(static_cast<int64_t>(i));
+        continue;
+      }
+      const Entry& e = it->second;
+      if (call.device < 0) call.device = e.device;
+      call.ins[i] = e.in;
+      call.outs[i] = e.out;
+      call.counts[i] = e.count;
+      call.ready_events[i] = e.ready_event;
+    }
+  }
+  flush_timeline();  // keep the timeline in order around the lane's own events
+  std::string failure = lane_("gpu_allreduce", set.id, &call);
+  if (!failure.empty()) throw std::runtime_error(failure);
+  finish(set, group, false, 0, call.event);
 }
 
 void Engine::broadcast(SetState& set, const ResponsePtr& resp_ptr) {

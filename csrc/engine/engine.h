@@ -53,7 +53,11 @@ struct Entry {
   uintptr_t in = 0, out = 0;
   int64_t handle = -1;
   Signature signature;
-  bool lane = false;  // executed by the Python lane
+  bool lane = false;  // the Python lane holds this tensor's entry (runtime/entries.py)
+  // CUDA tensors: the device, the producer's cudaStream_t and the cudaEvent_t recorded on it
+  // at submission, which the engine's stream waits on before it reads the tensor.
+  int32_t device = -1;
+  int64_t stream = 0, ready_event = 0;
 };
 
 // This rank's entry for request `r`, whose data is at `in` (result at `out`).
@@ -86,9 +90,27 @@ struct WaitResult {
   int64_t result = 0, event = 0;
 };
 
+// A fused allreduce of CUDA tensors, as the lane receives it: one list per field, so that
+// the Python side builds no object per tensor.  Tensor i of this rank reads ins[i] and
+// writes outs[i]; where this rank joined (hvd.join) it has no tensor: i is in `missing`,
+// and the lane supplies zeros of counts[i] elements.  The lane writes the completion
+// cudaEvent_t it recorded (with one use per tensor of this rank) into `event`.
+struct GpuAllreduce {
+  std::vector<std::string> names;
+  int32_t dtype = 0, reduce_op = 1;
+  double prescale = 1.0, postscale = 1.0;
+  std::vector<int32_t> joined_ranks;
+  int32_t device = -1;
+  std::vector<uintptr_t> ins, outs;
+  std::vector<int64_t> counts, ready_events;
+  std::vector<int64_t> missing;
+  int64_t event = 0;
+};
+
 // The lane: called on the engine thread with the GIL.  kind is "execute" (responses),
-// "timeline" (events), "stall" (report lines) or "fatal" (a failure message); it returns a
-// failure message to stop the engine with, or an empty string.
+// "gpu_allreduce" (a GpuAllreduce), "timeline" (events), "stall" (report lines) or "fatal"
+// (a failure message); it returns a failure message to stop the engine with, or an empty
+// string.
 using Lane = std::function<std::string(const std::string& kind, int set_id, const void* data)>;
 
 struct TimelineEvent {
@@ -113,6 +135,9 @@ class Engine {
   // Submits requests atomically (a group lands in one cycle); returns their handles.
   std::vector<int64_t> enqueue(int set_id, std::vector<Request> requests, std::vector<Entry> entries);
   WaitResult wait(int64_t handle, bool forget);
+  // Waits for every handle and forgets them all, failed or not (the first failure is in the
+  // results, in order); a handle unknown when the wait starts is reported as such.
+  std::vector<WaitResult> wait_all(const std::vector<int64_t>& handles);
   WaitResult poll(int64_t handle) const;
   std::vector<int64_t> wait_any(const std::vector<int64_t>& handles, double timeout_s);
   std::optional<double> completion_time(int64_t handle) const;
@@ -167,6 +192,7 @@ class Engine {
   bool is_lane(const SetState& set, const Response& resp) const;
   void run_lane(SetState& set, const std::vector<ResponsePtr>& batch);
   void allreduce_group(SetState& set, const std::vector<ResponsePtr>& group);
+  void gpu_allreduce_group(SetState& set, const std::vector<ResponsePtr>& group);
   void broadcast(SetState& set, const ResponsePtr& resp);
   void reduce_host(SetState& set, uintptr_t addr, int64_t count, int32_t dtype, int32_t op);
   TransportHandle op_handle(int32_t dtype, int32_t op);
@@ -174,7 +200,7 @@ class Engine {
   std::vector<Entry> entries_or_zeros(SetState& set, const std::vector<ResponsePtr>& group);
   void finish(SetState& set, const ResponsePtr& resp, bool has_result = false, int64_t result = 0);
   void finish(SetState& set, const std::vector<ResponsePtr>& responses, bool has_result = false,
-              int64_t result = 0);
+              int64_t result = 0, int64_t event = 0);
   void fail_names(SetState& set, const std::vector<std::string>& names, const std::string& error);
   void complete_locked(int64_t handle, const std::string* error, bool has_result, int64_t result,
                        int64_t event);

@@ -90,11 +90,11 @@ class FakeRuntime:
         self.held[event] = uses
         return event
 
-    def event_put(self, event):
+    def event_put(self, event, uses=1):
         # Events from record() must come back exactly ``uses`` times; others (event_get)
         # once, untracked.
         if event in self.held:
-            self.held[event] -= 1
+            self.held[event] -= uses
             assert self.held[event] >= 0, f"event {event} given back more often than taken"
             if not self.held[event]:
                 del self.held[event]

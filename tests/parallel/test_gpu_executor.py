@@ -64,6 +64,19 @@ def run(op_type, tensors, outputs=None, name=None, ready_event=0, **fields):
     completion events are left in ``EVENTS``."""
     engine = current.engine()
     outputs = list(outputs) if outputs is not None else [None] * len(tensors)
+    if op_type == OpType.ALLREDUCE:  # as the torch frontend submits it: lists, one wait
+        names = [f"gpu_exec.{name}.{i}" if name else f"gpu_exec.{next(_names)}"
+                 for i in range(len(tensors))]
+        handles = engine.submit_allreduces(
+            0, hvd.rank(), names, [int(_DTYPES[t.dtype]) for t in tensors],
+            [tuple(t.shape) for t in tensors], [t.data_ptr() for t in tensors],
+            [o.data_ptr() for o in outputs], fields.get("reduce_op", hvd.Sum),
+            fields.get("prescale", 1.0), fields.get("postscale", 1.0), (tensors, outputs),
+            device=0, stream=0, ready_event=ready_event)
+        results, events = engine.wait_all(handles)
+        assert all(events), "GPU ops complete with an event"
+        EVENTS[:] = events
+        return outputs, results
     allocated = [None] * len(tensors)
     requests, entries = [], []
     for i, t in enumerate(tensors):
@@ -312,3 +325,63 @@ def test_grouped_call_with_cuda_and_cpu_tensors_names_both_devices(cuda_first):
     # Nothing was submitted: the next collective on every rank still matches.
     outs, _ = run(OpType.ALLREDUCE, [torch.ones(2)], [torch.empty(2)], reduce_op=hvd.Sum)
     exact(outs[0], torch.full((2,), float(hvd.size())))
+
+
+def test_fused_allreduce_reaches_the_executor_as_one_call_of_lists(monkeypatch):
+    """CUDA allreduces are fused by the C++ thread and handed over as one FusedAllreduce:
+    the lane holds no entry for them, and the executor is called once per fused response,
+    not per tensor."""
+    _first_gpu_op()
+    executor = current.engine().executor
+    calls = []
+    real = executor.gpu_allreduce
+
+    def spy(state, payload):
+        assert not state.entries, "the lane holds no entry for a CUDA allreduce"
+        calls.append(list(payload[0]))
+        return real(state, payload)
+    monkeypatch.setattr(executor, "gpu_allreduce", spy)
+    held = dict(RUNTIME.held)
+    mine = [torch.full((i + 1,), float(hvd.rank() + i)) for i in range(40)]
+    outs, results = run(OpType.ALLREDUCE, mine, [torch.empty_like(m) for m in mine],
+                        name="as_lists", reduce_op=hvd.Sum)
+    n = hvd.size()
+    for i, out in enumerate(outs):
+        exact(out, torch.full((i + 1,), float(sum(range(n)) + n * i)))
+    assert results == [None] * 40
+    assert calls == [[f"gpu_exec.as_lists.{i}" for i in range(40)]], calls
+    (event,) = set(EVENTS)  # one completion event for the fused response, a use per tensor
+    assert RUNTIME.held[event] == 40
+    RUNTIME.event_put(event, 40)  # what the frontend's synchronize gives back
+    # Nothing else is held now that was not before (the staged path swaps the one event that
+    # guards its pinned buffer for a new one).
+    assert sum(RUNTIME.held.values()) == sum(held.values()), (RUNTIME.held, held)
+
+
+def test_mismatched_shapes_fail_on_every_rank_and_the_engine_goes_on():
+    if hvd.size() == 1:
+        pytest.skip("a mismatch needs two ranks")
+    _first_gpu_op()
+    engine = current.engine()
+    bad = torch.ones(2 + (hvd.rank() == 0))
+    with pytest.raises(hvd.HorovodInternalError, match="Mismatched allreduce tensor shapes"):
+        run(OpType.ALLREDUCE, [torch.ones(4), bad], [torch.empty(4), torch.empty_like(bad)],
+            name="mismatch", reduce_op=hvd.Sum)
+    # Both handles were waited on and forgotten, and the names can be used again.
+    assert engine.open_handles() == 0
+    outs, _ = run(OpType.ALLREDUCE, [torch.ones(4), torch.ones(2)],
+                  [torch.empty(4), torch.empty(2)], name="mismatch", reduce_op=hvd.Sum)
+    exact(outs[1], torch.full((2,), float(hvd.size())))
+
+
+def test_wait_all_forgets_every_handle_when_one_is_unknown():
+    _first_gpu_op()
+    engine = current.engine()
+    x = torch.ones(3)
+    handles = engine.submit_allreduces(0, hvd.rank(), ["wait_all.0"], [int(_DTYPES[x.dtype])],
+                                      [(3,)], [x.data_ptr()], [x.data_ptr()], hvd.Sum, 1.0,
+                                      1.0, x)
+    with pytest.raises(ValueError, match=f"Handle {10 ** 9} was not created"):
+        engine.wait_all(handles + [10 ** 9])
+    assert engine.open_handles() == 0
+    exact(x, torch.full((3,), float(hvd.size())))

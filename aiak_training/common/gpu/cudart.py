@@ -165,12 +165,12 @@ class Runtime:
                     "cudaEventCreateWithFlags")
         return int(e.value)
 
-    def event_put(self, event: int) -> None:
-        """Give back one use of an event; it returns to the pool with its last use.  Safe
-        right after a ``cudaStreamWaitEvent`` on it: a wait binds to the record that
+    def event_put(self, event: int, uses: int = 1) -> None:
+        """Give back ``uses`` uses of an event; it returns to the pool with its last use.
+        Safe right after a ``cudaStreamWaitEvent`` on it: a wait binds to the record that
         precedes it, not to later ones."""
         with self._events_lock:
-            left = self._uses.pop(event, 1) - 1
+            left = self._uses.pop(event, 1) - uses
             if left > 0:
                 self._uses[event] = left
             else:
