@@ -233,10 +233,23 @@ def allreduce(arrays: Sequence[np.ndarray], names: Names, op: int,
     rop = _checked_op(op, arrays, adasum=True)
     if rop == ReduceOp.ADASUM:
         check_adasum_set(process_set)
-    outputs = [empty(np.shape(a), np.asarray(a).dtype) for a in arrays]
-    outs, _ = _run(OpType.ALLREDUCE, arrays, names, process_set, outputs, reduce_op=rop,
-                   prescale=float(prescale_factor), postscale=float(postscale_factor))
-    return outs
+    if not arrays:
+        raise ValueError("Expected at least one tensor.")
+    # The torch frontend's path for several tensors: one list per field, one wait for all.
+    engine = current.engine()
+    rank = set_rank(process_set)
+    srcs = [np.ascontiguousarray(a) for a in arrays]
+    types = [int(check_data_type(a.dtype)) for a in srcs]  # all valid before a name is drawn
+    # ascontiguousarray makes a 0-d array 1-d: the shapes are the arrays' own.
+    shapes = [np.shape(a) for a in arrays]
+    outputs = [empty(shape, a.dtype) for shape, a in zip(shapes, srcs)]
+    set_id = process_set.process_set_id
+    handles = engine.submit_allreduces(
+        set_id, rank, names.resolve(len(srcs), set_id), types, shapes,
+        [a.ctypes.data for a in srcs], [o.ctypes.data for o in outputs], int(rop),
+        float(prescale_factor), float(postscale_factor), (srcs, outputs))
+    engine.wait_all(handles)
+    return outputs
 
 
 def allgather(arrays: Sequence[np.ndarray], names: Names,
