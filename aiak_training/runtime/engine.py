@@ -330,7 +330,7 @@ class Engine:
             tuples.append((req.rank, req.name, int(op), int(req.dtype), req.shape,
                            int(req.reduce_op), float(req.prescale), float(req.postscale),
                            int(req.root), req.splits, req.payload, int(req.device),
-                           entry.in_addr, entry.out_addr, lane, entry.stream, entry.ready_event))
+                           entry.in_addr, entry.out_addr, lane, entry.ready_event))
         try:
             handles = self.core.enqueue(set_id, tuples)
         except BaseException as exc:
@@ -367,14 +367,13 @@ class Engine:
     def submit_allreduces(self, set_id: int, rank: int, names: List[str], dtypes: List[int],
                           shapes: List[tuple], ins: List[int], outs: List[int],
                           reduce_op: int, prescale: float, postscale: float, keep: object,
-                          device: int = -1, stream: int = 0,
-                          ready_event: int = 0) -> List[int]:
+                          device: int = -1, ready_event: int = 0) -> List[int]:
         """The allreduces of one call (``rank``: this rank in the set), one list per field;
         returns their handles (:meth:`submit_allreduce` for one host tensor).  No
         Request/TensorEntry objects are built unless the lane runs them (host tensors of a set
         without the flat algorithm, Adasum).  CUDA tensors (``device`` >= 0) wait for
-        ``ready_event``, recorded on the producer's ``stream``.  ``keep`` stays referenced
-        until the handles are waited on."""
+        ``ready_event``, recorded on the producer's stream.  ``keep`` stays referenced until
+        the handles are waited on."""
         tuner = self.autotune
         if tuner is not None and set_id == 0:
             for name in names:
@@ -391,7 +390,7 @@ class Engine:
         try:
             handles = self.core.enqueue_allreduces(set_id, rank, names, dtypes, shapes, ins,
                                                    outs, reduce_op, prescale, postscale, device,
-                                                   stream, ready_event)
+                                                   ready_event)
         except BaseException as exc:
             raise _translate(exc) from None
         self._keep[handles[0]] = keep

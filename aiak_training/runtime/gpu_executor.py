@@ -100,15 +100,14 @@ class FusedAllreduce:
     rather than an object per tensor.  Tensor ``i`` of this rank reads ``ins[i]`` and writes
     ``outs[i]``, after its producer's ``ready_events[i]``; indices in ``missing`` are tensors
     of ranks that joined, where this rank contributes ``counts[i]`` zeros."""
-    __slots__ = ("names", "dtype", "reduce_op", "prescale", "postscale", "joined_ranks",
-                 "device", "ins", "outs", "counts", "ready_events", "missing")
+    __slots__ = ("names", "dtype", "reduce_op", "prescale", "postscale", "device", "ins",
+                 "outs", "counts", "ready_events", "missing")
 
     def __init__(self, names: List[str], dtype: int, reduce_op: int, prescale: float,
-                 postscale: float, joined_ranks: Tuple[int, ...], device: int, ins: List[int],
-                 outs: List[int], counts: List[int], ready_events: List[int],
-                 missing: List[int]):
+                 postscale: float, device: int, ins: List[int], outs: List[int],
+                 counts: List[int], ready_events: List[int], missing: List[int]):
         self.names, self.dtype, self.reduce_op = names, dtype, reduce_op
-        self.prescale, self.postscale, self.joined_ranks = prescale, postscale, joined_ranks
+        self.prescale, self.postscale = prescale, postscale
         self.device, self.ins, self.outs, self.counts = device, ins, outs, counts
         self.ready_events, self.missing = ready_events, missing
 

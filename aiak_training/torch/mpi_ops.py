@@ -385,8 +385,7 @@ def _submit_allreduces(srcs: List[torch.Tensor], outs: List[torch.Tensor],
     held = [srcs, outs]
     try:
         handles = engine.submit_allreduces(set_id, set_rank, names, dtypes, shapes, ins,
-                                           outputs, int(rop), pre, post, held, device,
-                                           int(stream.cuda_stream), event)
+                                           outputs, int(rop), pre, post, held, device, event)
     except BaseException:
         _cuda.give_back(event, len(srcs))
         raise

@@ -70,10 +70,10 @@ py::object from_opt(const OptInts& o) {
 }
 
 // (rank, name, op_type, dtype, shape, reduce_op, prescale, postscale, root, splits, payload,
-//  device, in_addr, out_addr, lane, stream, ready_event) -> the request and this rank's entry.
+//  device, in_addr, out_addr, lane, ready_event) -> the request and this rank's entry.
 void parse(const py::handle& t, std::vector<Request>* reqs, std::vector<Entry>* entries) {
   auto tup = py::reinterpret_borrow<py::tuple>(t);
-  if (tup.size() != 17) throw std::invalid_argument("enqueue: a request is a 17-tuple");
+  if (tup.size() != 16) throw std::invalid_argument("enqueue: a request is a 16-tuple");
   Request r;
   r.rank = tup[0].cast<int32_t>();
   r.name = tup[1].cast<std::string>();
@@ -90,8 +90,7 @@ void parse(const py::handle& t, std::vector<Request>* reqs, std::vector<Entry>* 
   Entry e = make_entry(r, tup[12].cast<uintptr_t>(), tup[13].cast<uintptr_t>());
   e.lane = tup[14].cast<bool>();
   e.device = r.device;
-  e.stream = tup[15].cast<int64_t>();
-  e.ready_event = tup[16].cast<int64_t>();
+  e.ready_event = tup[15].cast<int64_t>();
   reqs->push_back(std::move(r));
   entries->push_back(std::move(e));
 }
@@ -132,7 +131,7 @@ py::tuple response_tuple(const Response& r) {
 
 py::tuple gpu_allreduce_tuple(const GpuAllreduce& c) {
   return py::make_tuple(py::cast(c.names), c.dtype, c.reduce_op, c.prescale, c.postscale,
-                        py::tuple(py::cast(c.joined_ranks)), c.device, py::cast(c.ins),
+                        c.device, py::cast(c.ins),
                         py::cast(c.outs), py::cast(c.counts), py::cast(c.ready_events),
                         py::cast(c.missing));
 }
@@ -274,11 +273,11 @@ void register_engine(py::module_& m) {
            // Allreduces of one call, one list per field and no tuple per tensor: grouped
            // allreduces, and every allreduce of CUDA tensors.  Host tensors (device -1) run
            // in C++; CUDA tensors are handed to the lane fused (GpuAllreduce), each waiting
-           // for `ready_event`, recorded on the producer's `stream`.  The lists are read
+           // for `ready_event`, recorded on the producer's stream.  The lists are read
            // with the CPython API, which costs a fraction of pybind11's generic conversions.
            [](Engine& e, int set_id, int rank, py::list names, py::list dtypes, py::list shapes,
               py::list ins, py::list outs, int reduce_op, double prescale, double postscale,
-              int device, int64_t stream, int64_t ready_event) {
+              int device, int64_t ready_event) {
              const size_t n = names.size();
              if (dtypes.size() != n || shapes.size() != n || ins.size() != n || outs.size() != n)
                throw std::invalid_argument("enqueue_allreduces: one dtype, shape, input and "
@@ -296,7 +295,6 @@ void register_engine(py::module_& m) {
                entries.push_back(make_entry(r, static_cast<uintptr_t>(list_int(ins.ptr(), i)),
                                             static_cast<uintptr_t>(list_int(outs.ptr(), i))));
                entries.back().device = device;
-               entries.back().stream = stream;
                entries.back().ready_event = ready_event;
              }
              std::vector<int64_t> handles;
@@ -312,7 +310,7 @@ void register_engine(py::module_& m) {
            py::arg("set_id"), py::arg("rank"), py::arg("names"), py::arg("dtypes"),
            py::arg("shapes"), py::arg("ins"), py::arg("outs"), py::arg("reduce_op"),
            py::arg("prescale"), py::arg("postscale"), py::arg("device") = -1,
-           py::arg("stream") = 0, py::arg("ready_event") = 0)
+           py::arg("ready_event") = 0)
       .def("wait",
            // Blocks (GIL released) until `handle` completes, forgets it, and returns
            // (result or None, completion event).  IndexError for an unknown handle,

@@ -746,7 +746,6 @@ void Engine::gpu_allreduce_group(SetState& set, const std::vector<ResponsePtr>& 
   call.reduce_op = first.reduce_op;
   call.prescale = first.prescale;
   call.postscale = first.postscale;
-  call.joined_ranks = first.joined_ranks;
   const size_t n = group.size();
   call.names.reserve(n);
   call.ins.assign(n, 0);

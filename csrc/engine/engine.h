@@ -54,10 +54,10 @@ struct Entry {
   int64_t handle = -1;
   Signature signature;
   bool lane = false;  // the Python lane holds this tensor's entry (runtime/entries.py)
-  // CUDA tensors: the device, the producer's cudaStream_t and the cudaEvent_t recorded on it
-  // at submission, which the engine's stream waits on before it reads the tensor.
+  // CUDA tensors: the device, and the cudaEvent_t recorded on the producer's stream at
+  // submission, which the engine's stream waits on before it reads the tensor.
   int32_t device = -1;
-  int64_t stream = 0, ready_event = 0;
+  int64_t ready_event = 0;
 };
 
 // This rank's entry for request `r`, whose data is at `in` (result at `out`).
@@ -99,7 +99,6 @@ struct GpuAllreduce {
   std::vector<std::string> names;
   int32_t dtype = 0, reduce_op = 1;
   double prescale = 1.0, postscale = 1.0;
-  std::vector<int32_t> joined_ranks;
   int32_t device = -1;
   std::vector<uintptr_t> ins, outs;
   std::vector<int64_t> counts, ready_events;

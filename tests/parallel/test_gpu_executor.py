@@ -72,7 +72,7 @@ def run(op_type, tensors, outputs=None, name=None, ready_event=0, **fields):
             [tuple(t.shape) for t in tensors], [t.data_ptr() for t in tensors],
             [o.data_ptr() for o in outputs], fields.get("reduce_op", hvd.Sum),
             fields.get("prescale", 1.0), fields.get("postscale", 1.0), (tensors, outputs),
-            device=0, stream=0, ready_event=ready_event)
+            device=0, ready_event=ready_event)
         results, events = engine.wait_all(handles)
         assert all(events), "GPU ops complete with an event"
         EVENTS[:] = events
