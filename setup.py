@@ -22,6 +22,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
+import time
 
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
@@ -146,20 +148,35 @@ class BuildExt(build_ext):
             sorted(ISA_FLAGS.items()), sysconfig.get_config_var("EXT_SUFFIX"),
             _pybind11_version(), sys.version_info[:2])
 
+    def _position(self, ext) -> str:
+        """``[2/4]``: which extension of the build this is (pip shows it with ``-v``)."""
+        return f"[{self.extensions.index(ext) + 1}/{len(self.extensions)}]"
+
     def build_extension(self, ext):
         target = self.get_ext_fullpath(ext.name)
         cached = os.path.join(cache_dir(), f"{ext.name}-{self.extension_key(ext)}.so")
         if not self.force and _restore(cached, target):
-            print(f"aiak-training: {ext.name}: sources unchanged, reusing {cached}")
+            print(f"aiak-training: {self._position(ext)} {ext.name}: sources unchanged, "
+                  f"reusing {cached}", flush=True)
         else:
+            start = time.monotonic()
+            print(f"aiak-training: {self._position(ext)} compiling {ext.name} "
+                  f"({len(ext.sources)} sources)", flush=True)
             self._compile_extension(ext)
+            print(f"aiak-training: {self._position(ext)} {ext.name} built in "
+                  f"{time.monotonic() - start:.0f} s", flush=True)
             _store(target, cached)
         build_cuda_kernels(self)
 
     def _compile_extension(self, ext) -> None:
         original_compile = self.compiler._compile
+        done, lock = [0], threading.Lock()  # sources compiled so far (AIAK_BUILD_JOBS threads)
 
         def _compile(obj, src, ext_name, cc_args, extra_postargs, pp_opts):
+            with lock:
+                done[0] += 1
+                print(f"aiak-training: {self._position(ext)} {done[0]}/{len(ext.sources)} "
+                      f"{os.path.relpath(src, HERE)}", flush=True)
             extra = list(extra_postargs)
             for suffix, flags in ISA_FLAGS.items():
                 if src.endswith(suffix):
@@ -393,12 +410,17 @@ def main() -> None:
             # Keras 2 for TF_USE_LEGACY_KERAS=1 (aiak_training.keras.legacy).  tf-keras requires
             # the "tensorflow" distribution; next to tensorflow-cpu install it with --no-deps.
             "tf_keras": ["tf-keras==2.21.0"],
-            "test": ["pytest>=7", "scikit-learn>=1.0"],
+            # PyYAML: tests/test_kubernetes.py reads the MPIJob manifests.
+            "test": ["pytest>=7", "scikit-learn>=1.0", "pyyaml>=5"],
             "examples": ["scikit-learn>=1.0"],
             # aiak_training.ray / aiak_training.spark (their workers talk over the Gloo mode).
             # torch is not listed: install the CPU (or CUDA) wheel you want first.
             "ray": ["ray==2.60.0"],
             "spark": ["pyspark==4.3.0"],
+            # aiak_training.lightning (Lightning 2's Trainer(strategy=...)); "lightning" ships
+            # both import names, lightning.pytorch and pytorch_lightning.  It asks for
+            # torch>=2.1, so the torch installed first stays (pip install --dry-run shows it).
+            "lightning": ["lightning==2.6.6"],
             # The documentation site (mkdocs.yml; tests/test_docs.py builds it with --strict) and
             # benchmarks/plots.py, which draws the results pages' PNGs from the JSON.
             "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings[python]==1.0.8",

@@ -10,7 +10,10 @@ C++ call (``native.copy_batch``), like the real launch.  So what is timed is thi
 host work plus the stand-ins' (a CUDA call is a Python method call, NCCL's allreduce one MPI
 call on host memory), never CUDA's.
 
-For comparison, the host path: ``hvd.grouped_allreduce_`` of ``n`` CPU tensors.
+For comparison, the host path: ``hvd.grouped_allreduce_`` of ``n`` CPU tensors.  The two
+paths do not do the same work: the GPU path submits to the engine directly, skipping the
+frontend's per-tensor checks, result allocation and handles that ``hvd.grouped_allreduce_``
+pays.  Compare each path with itself before and after a change, not the two with each other.
 
 Figures (slopes of the median time over n = 8 ... 161, fitted by least squares):
 

@@ -274,8 +274,11 @@ def test_unmodified_horovod_keras_scripts_run():
         w = np.concatenate([keras.ops.convert_to_numpy(v).ravel() for v in model.weights])
         sys.stdout.write("r=%d weights=%s\\n" % (hvd.rank(), w.round(6).tolist()))
         """)
+    # A Keras 3 script: TF_USE_LEGACY_KERAS=0 keeps Keras 3 where tf_keras is installed
+    # (--horovod-compat would otherwise give tf.keras = Keras 2, see test_horovod_keras2.py).
     proc = _aiakrun(["--horovod-compat", "-np", "2", sys.executable, "-c", script], [REPO],
-                    TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
+                    TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow",
+                    TF_USE_LEGACY_KERAS="0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(re.findall(r"r=\d weights=.*", proc.stdout))
     assert len(lines) == 2 and lines[0][4:] == lines[1][4:], proc.stdout

@@ -201,15 +201,34 @@ def test_response_fusion_key_and_sizes():
 def test_stall_shutdown_below_warning_time_is_ignored(caplog):
     from aiak_training.runtime.engine import stall_times
 
-    def times(check, shutdown, disable=False):
+    def times(check, shutdown, disable=False, deadlock=False):
         return stall_times(Config(stall_check_time_s=check, stall_shutdown_time_s=shutdown,
-                                  stall_check_disable=disable))
+                                  stall_check_disable=disable, deadlock_shutdown=deadlock))
     with caplog.at_level("WARNING", logger="aiak_training"):
-        assert times(5.0, 2.0) == (5.0, 0.0)
+        assert times(5.0, 2.0) == (5.0, 0.0, 0.0)
     assert "will not shutdown" in caplog.text
-    assert times(5.0, 7.0) == (5.0, 7.0)
-    assert times(0.0, 7.0) == (0.0, 7.0)
-    assert times(5.0, 2.0, disable=True) == (0.0, 2.0)
+    assert times(5.0, 7.0) == (5.0, 7.0, 0.0)
+    assert times(0.0, 7.0) == (0.0, 7.0, 0.0)
+    assert times(5.0, 2.0, disable=True) == (0.0, 2.0, 0.0)
+    # The deadlock check runs on the warning time, and only while the stall check does.
+    assert times(5.0, 0.0, deadlock=True) == (5.0, 0.0, 5.0)
+    assert times(5.0, 0.0, disable=True, deadlock=True) == (0.0, 0.0, 0.0)
+
+
+def test_deadlock_shutdown_follows_horovod_variables(monkeypatch):
+    monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", raising=False)
+    monkeypatch.delenv("AIAK_DEADLOCK_SHUTDOWN", raising=False)
+    assert Config.from_env().deadlock_shutdown is True
+    monkeypatch.setenv("AIAK_DEADLOCK_SHUTDOWN", "0")
+    assert Config.from_env().deadlock_shutdown is False
+    monkeypatch.delenv("AIAK_DEADLOCK_SHUTDOWN")
+    # Any explicit shutdown time, 0 ("never") included, keeps Horovod's rule alone ...
+    for value in ("0", "120"):
+        monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", value)
+        assert Config.from_env().deadlock_shutdown is False
+    # ... unless AIAK_DEADLOCK_SHUTDOWN asks for both.
+    monkeypatch.setenv("AIAK_DEADLOCK_SHUTDOWN", "1")
+    assert Config.from_env().deadlock_shutdown is True
 
 
 def test_config_from_env(monkeypatch):

@@ -45,7 +45,8 @@ def test_cuda_suite(layout):
         pytest.skip(f"needs {gpus} GPUs, found {torch.cuda.device_count()}")
     proc = run_ranks(nodes, SUITE, env=env, virtual_hosts=virtual)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_rank_summaries(proc.stdout, sum(nodes))
+    # tests/parallel/test_cuda_ops.py's 165 tests, less the mismatch test at one rank.
+    check_rank_summaries(proc.stdout, sum(nodes), 165 if sum(nodes) > 1 else 164)
 
 
 def test_batched_copy_kernel_copies_exactly():

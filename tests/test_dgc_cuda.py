@@ -21,4 +21,5 @@ def test_dgc_cuda_suite(layout):
     nodes, env = LAYOUTS[layout]
     proc = run_ranks(nodes, SUITE, env=env, timeout=400)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_rank_summaries(proc.stdout, sum(nodes))
+    # tests/parallel/test_dgc_cuda.py's 9 tests, less the one that needs a second GPU.
+    check_rank_summaries(proc.stdout, sum(nodes), 8)

@@ -29,7 +29,7 @@ def test_reducescatter_adasum_refused_on_torch_and_keras_torch():
                      env={"KERAS_BACKEND": "torch", **QUIET_TF})
     assert proc.returncode == 0, proc.stdout[-6000:]
     # 8 dtypes on torch, 3 through Keras on torch; the TensorFlow ones skip.
-    assert check_rank_summaries(proc.stdout, 2) == 11
+    assert check_rank_summaries(proc.stdout, 2, 11) == 11
 
 
 def test_reducescatter_adasum_refused_on_tensorflow_and_keras_tensorflow():
@@ -38,7 +38,7 @@ def test_reducescatter_adasum_refused_on_tensorflow_and_keras_tensorflow():
                      env={"AIAK_TEST_FRONTEND": "tensorflow", "KERAS_BACKEND": "tensorflow",
                           **QUIET_TF})
     assert proc.returncode == 0, proc.stdout[-6000:]
-    assert check_rank_summaries(proc.stdout, 2) == 11
+    assert check_rank_summaries(proc.stdout, 2, 11) == 11
 
 
 def test_keras2_gradient_aggregation_with_current_and_legacy_optimizers():
@@ -48,4 +48,4 @@ def test_keras2_gradient_aggregation_with_current_and_legacy_optimizers():
                           **QUIET_TF}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:]
     # 12 aggregation cases, 2 inf, 2 sparse_as_dense, 8 partial, 1 without aggregation.
-    assert check_rank_summaries(proc.stdout, 2) == 25
+    assert check_rank_summaries(proc.stdout, 2, 25) == 25

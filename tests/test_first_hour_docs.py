@@ -37,6 +37,8 @@ def _needed_extras(text: str) -> Set[str]:
             needed.add("spark")
         elif name.startswith(("keras_", "tensorflow")):
             needed.add("tensorflow")
+        elif name.startswith("lightning_"):
+            needed.add("lightning")
     return needed
 
 

@@ -24,7 +24,9 @@ needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA device (torch.cuda.i
 
 
 # --------------------------------------------------------------------------- compile check
-@pytest.mark.skipif(not KERNELS_WANTED, reason="nvcc not on PATH, or no GPU and AIAK_CUDA_ARCHS unset: the CUDA kernels are not built")
+needs_kernels = pytest.mark.skipif(not KERNELS_WANTED, reason="nvcc not on PATH, or no GPU and AIAK_CUDA_ARCHS unset: the CUDA kernels are not built")
+
+
 def assert_no_torch_link(path):
     """One build for every torch version: nothing of torch's (libtorch*, libc10*) is linked.
     Library names only: ldd's load addresses are hex and may contain "c10"."""
@@ -33,6 +35,7 @@ def assert_no_torch_link(path):
     assert not [lib for lib in libs if "torch" in lib or "c10" in lib], deps
 
 
+@needs_kernels
 def test_cuda_library_built_with_expected_symbols():
     path = fo.cuda_library_path()
     assert os.path.exists(path), (
@@ -72,7 +75,7 @@ def test_cuda_library_built_with_expected_symbols():
         assert b"sm_80" in blob and b"sm_90" in blob
 
 
-@pytest.mark.skipif(not KERNELS_WANTED, reason="nvcc not on PATH, or no GPU and AIAK_CUDA_ARCHS unset: the CUDA kernels are not built")
+@needs_kernels
 @pytest.mark.parametrize("numels,launches", [
     ([], 0),
     ([0, 0], 0),

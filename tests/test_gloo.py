@@ -27,6 +27,8 @@ def aiakrun_gloo(args, env=None, timeout=300):
 #: 4 ranks run the op/dtype matrix and the layout tests of the suite, to stay lean.
 FOUR_RANK_SELECTION = ("every_dtype or uneven or every_root or variable_first or with_splits or "
                        "topology or launcher or mismatch or process_sets")
+#: Tests each rank passes: the whole suite at 2 or more ranks, and the 4-rank selection.
+WHOLE_SUITE_PASSES, FOUR_RANK_PASSES = 159, 116
 
 @pytest.mark.parametrize("layout", ["2ranks", "2ranks_tiny_fusion_and_cache",
                                     "2x2_virtual_nodes"])
@@ -46,13 +48,14 @@ def test_torch_ops_suite_over_gloo(layout):
             {"AIAK_TEST_LAYOUT": "2,2"}, 4
     select = [] if n == 2 else ["-k", FOUR_RANK_SELECTION]
     proc = aiakrun_gloo(args + PYTEST + ["tests/parallel/test_torch_ops.py"] + select, env)
-    _check_suite(proc, n)
+    _check_suite(proc, n, WHOLE_SUITE_PASSES if n == 2 else FOUR_RANK_PASSES)
 
 
-def _check_suite(proc, n):
-    """Every one of ``n`` ranks passed the same tests, through Gloo alone."""
+def _check_suite(proc, n, minimum):
+    """Every one of ``n`` ranks passed the same tests, at least ``minimum``, through Gloo
+    alone."""
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_rank_summaries(proc.stdout, n)
+    check_rank_summaries(proc.stdout, n, minimum)
     # aiakrun --gloo labels every line with its rank, as mpiexec -l does.
     for rank in range(n):
         assert re.search(rf"^\[{rank}\] .*\d+ passed", proc.stdout, re.M), proc.stdout[-3000:]
@@ -68,13 +71,14 @@ def test_torch_ops_suite_over_gloo_on_emulated_cluster(layout):
     from elastic_support import cluster_run, emulated_cluster
     with emulated_cluster(3) as cluster:
         hosts = ",".join(f"{h}:{n}" for h, n in zip(cluster.hosts, layout))
-        select = [] if layout == (1, 1, 1) else ["-k", FOUR_RANK_SELECTION]
+        whole = layout == (1, 1, 1)
+        select = [] if whole else ["-k", FOUR_RANK_SELECTION]
         proc = cluster_run(cluster, [sys.executable, "-m", "aiak_training.runner.launch",
                                      "--gloo", "-np", str(sum(layout)), "-H", hosts, *PYTEST,
                                      "tests/parallel/test_torch_ops.py", *select],
                            {"AIAK_TEST_LAYOUT": ",".join(map(str, layout))}, timeout=300,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _check_suite(proc, sum(layout))
+    _check_suite(proc, sum(layout), WHOLE_SUITE_PASSES if whole else FOUR_RANK_PASSES)
 
 
 # ---- failures -----------------------------------------------------------------------------

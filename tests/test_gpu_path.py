@@ -169,20 +169,21 @@ def test_gpu_executor_logic_with_host_fakes(layout):
     """The GPU executor end to end on stand-ins for libcudart and NCCL (host memory, MPI):
     fusion, layouts, reduction plans, the hierarchical pipeline and the staged path, exact on
     every rank.  CUDA and NCCL themselves are tested in tests/test_cuda.py, on a GPU."""
-    nodes, virtual, env = {
-        "2ranks_nccl": ([2], False, {"AIAK_TEST_GPU_TRANSPORT": "nccl"}),
-        "4ranks_nccl": ([4], False, {"AIAK_TEST_GPU_TRANSPORT": "nccl"}),
+    # (ranks per node, virtual nodes, environment, tests each rank passes)
+    nodes, virtual, env, passes = {
+        "2ranks_nccl": ([2], False, {"AIAK_TEST_GPU_TRANSPORT": "nccl"}, 154),
+        "4ranks_nccl": ([4], False, {"AIAK_TEST_GPU_TRANSPORT": "nccl"}, 154),
         "2x2_virtual_nodes_hier": ([2, 2], True, {"AIAK_TEST_GPU_TRANSPORT": "nccl+hier",
                                                   "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
-                                                  "AIAK_TEST_LAYOUT": "2,2"}),
+                                                  "AIAK_TEST_LAYOUT": "2,2"}, 153),
         "2ranks_staged": ([2], False, {"AIAK_TEST_GPU_TRANSPORT": "mpi",
-                                       "AIAK_GPU_TRANSPORT": "mpi"}),
+                                       "AIAK_GPU_TRANSPORT": "mpi"}, 153),
         "2ranks_nccl_no_kernel": ([2], False, {"AIAK_TEST_GPU_TRANSPORT": "nccl",
-                                               "AIAK_TEST_NO_KERNEL": "1"}),
+                                               "AIAK_TEST_NO_KERNEL": "1"}, 153),
     }[layout]
     proc = run_ranks(nodes, FAKE_SUITE, env=dict(SMALL, **env), virtual_hosts=virtual)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_rank_summaries(proc.stdout, sum(nodes))
+    check_rank_summaries(proc.stdout, sum(nodes), passes)
 
 
 class _FakeCudart:

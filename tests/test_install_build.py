@@ -13,6 +13,7 @@ test compiles a two-line C extension, so it takes a few seconds.
 import importlib.machinery
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -185,3 +186,34 @@ def test_horovodrun_reaches_the_package_metadata(tmp_path, switch, expected):
         entry_points = f.read()
     assert "aiakrun = aiak_training.runner.launch:main" in entry_points
     assert ("horovodrun = aiak_training.runner.launch:main" in entry_points) is expected
+
+
+def test_build_prints_which_extension_and_source_it_is_at(setup_py, tmp_path, monkeypatch,
+                                                          capsys):
+    # What `pip install -v` shows while the C++ compiles: extension k of n, source i of m.
+    from setuptools import Distribution, Extension
+    monkeypatch.setenv("AIAK_BUILD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("AIAK_SKIP_CUDA", "1")
+    (tmp_path / "answer.h").write_text("#define ANSWER 7\n")
+    for name in ("first", "second"):
+        (tmp_path / f"{name}.c").write_text(TINY_C.replace("tiny", name))
+
+    def build(run: str) -> str:
+        exts = [Extension(n, [str(tmp_path / f"{n}.c")], include_dirs=[str(tmp_path)])
+                for n in ("first", "second")]
+        dist = Distribution({"name": "two", "ext_modules": exts,
+                             "cmdclass": {"build_ext": setup_py.BuildExt}})
+        cmd = dist.get_command_obj("build_ext")
+        cmd.build_lib, cmd.build_temp = str(tmp_path / run / "lib"), str(tmp_path / run / "t")
+        cmd.ensure_finalized()
+        cmd.run()
+        return capsys.readouterr().out
+
+    out = build("cold")
+    for position, name in (("[1/2]", "first"), ("[2/2]", "second")):
+        assert f"aiak-training: {position} compiling {name} (1 sources)" in out, out
+        assert f"aiak-training: {position} 1/1 " in out and f"{name}.c" in out, out
+        assert re.search(rf"aiak-training: {re.escape(position)} {name} built in \d+ s", out)
+    out = build("warm")
+    assert "aiak-training: [2/2] second: sources unchanged, reusing" in out, out
+    assert "compiling" not in out

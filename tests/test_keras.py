@@ -27,6 +27,8 @@ BACKENDS = {
                                   "AIAK_TEST_FRONTEND": "tensorflow", **QUIET_TF}),
     "torch": ("torch", {"KERAS_BACKEND": "torch", **QUIET_TF}),
 }
+# Tests each rank passes, per backend.
+PASSES = {"tensorflow": 14, "torch": 13}
 
 
 def _needs(module: str):
@@ -40,7 +42,7 @@ def test_keras_per_rank_suite(backend, tmp_path):
     _needs(module)
     proc = run_ranks([2], PER_RANK, env={**env, "AIAK_TEST_TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_rank_summaries(proc.stdout, 2)
+    check_rank_summaries(proc.stdout, 2, PASSES[backend])
 
 
 def test_keras2_tf_keras_per_rank_suite(tmp_path):
@@ -52,7 +54,7 @@ def test_keras2_tf_keras_per_rank_suite(tmp_path):
                      env={**BACKENDS["tensorflow"][1], "TF_USE_LEGACY_KERAS": "1",
                           "AIAK_TEST_TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout[-6000:]
-    assert check_rank_summaries(proc.stdout, 2) >= 8
+    check_rank_summaries(proc.stdout, 2, 9)
 
 
 def _accuracy(stdout: str) -> float:

@@ -2,9 +2,10 @@
 
 Unit tests: which commands read their program from stdin, and the refusals (a terminal, an
 empty stdin, ranks on other hosts).  Job tests really launch 2 ranks, in MPI mode and with
-``--gloo``: a piped program runs on both ranks within 10 s, only rank 0 gets a plain
-command's stdin (the other rank reads an empty one instead of blocking), a terminal is
-refused with the same message, and a Gloo job whose ranks never joined says so.
+``--gloo``: a piped program runs on both ranks (its 10 s target is a benchmark, not a test),
+only rank 0 gets a plain command's stdin (the other rank reads an empty one instead of
+blocking), a terminal is refused with the same message, and a Gloo job whose ranks never
+joined says so.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from typing import List
 
 import pytest
@@ -26,7 +26,7 @@ from aiak_training.runner.stdin_program import (STDIN_FILE_ENV, rank_stdin,
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AIAKRUN = [sys.executable, "-m", "aiak_training.runner.launch"]
 MODES = [pytest.param([], id="mpi"), pytest.param(["--gloo"], id="gloo")]
-# Standard library only, so that the 10 s bound measures aiakrun, not torch's import.
+# Standard library only, so that each job stays short (no torch import).
 PROGRAM = ("import os\n"
            "rank = os.environ.get('HOROVOD_RANK', os.environ.get('PMI_RANK'))\n"
            "print(f'program ran on rank {rank}', flush=True)\n")
@@ -115,16 +115,14 @@ def test_refusals_say_how_to_run_it(tmp_path) -> None:
 def test_piped_program_runs_on_every_rank(mode, tmp_path) -> None:
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)
-    started = time.monotonic()
+    # A hang fails through _aiakrun's timeout (subprocess.TimeoutExpired). The 10 s target
+    # is a benchmark (docs/benchmarks/index.md, `stdin_program_s`), which a loaded CI machine
+    # must not turn into a failure, so nothing here times the job.
     with open(script, "rb") as stdin:
         proc = _aiakrun(mode + ["-np", "2", sys.executable, "-"], stdin)
-    elapsed = time.monotonic() - started
     assert proc.returncode == 0, proc.stderr
     assert sorted(re.findall(r"^\[(\d)\] program ran on rank (\d)$", proc.stdout, re.M)) == [
         ("0", "0"), ("1", "1")], proc.stdout + proc.stderr
-    # A bound against a hang, not the 10 s target (a benchmark: docs/benchmarks/index.md,
-    # `stdin_program_s`), which a loaded CI machine must not turn into a failure.
-    assert elapsed < 60, elapsed
     if mode:
         # The ranks never called hvd.init(): a Gloo job says that nothing ran over Gloo.
         assert proc.stderr.rstrip().splitlines()[-1] == (

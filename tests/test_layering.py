@@ -33,6 +33,8 @@ ALLOWED: Dict[str, Set[str]] = {
     "keras": {"common", "runtime", "tensorflow", "torch", "elastic"},
     # horovod.tensorflow.keras's name for aiak_training.keras: a facade above both.
     "tensorflow.keras": {"keras"},
+    # Lightning 2's strategy over the torch frontend.
+    "lightning": {"common", "runtime", "torch"},
 }
 # Subpackages that form a layer of their own rather than part of their parent's.
 FACADES = {"tensorflow.keras"}

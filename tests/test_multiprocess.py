@@ -1,4 +1,5 @@
 """Launch the per-rank suites at 1, 2 and 4 ranks and on 2 virtual nodes x 2 ranks."""
+import datetime
 import re
 import sys
 import time
@@ -11,6 +12,7 @@ PER_RANK = ["tests/parallel/test_torch_ops.py", "tests/parallel/test_torch_optim
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
           "--rootdir", "tests/parallel"]
 
+# name: (ranks per node, virtual nodes, environment); BOTH_FILES below run both files.
 LAYOUTS = {
     "1rank": ([1], False, {}),
     "2ranks": ([2], False, {}),
@@ -28,15 +30,19 @@ LAYOUTS = {
     "2ranks_mpi_threads_disabled": ([2], False, {"HOROVOD_MPI_THREADS_DISABLE": "1"}),
 }
 BOTH_FILES = ("1rank", "2ranks", "4ranks", "2x2_virtual_nodes")
+# Tests each rank passes: both files (one rank skips the mismatch tests), test_torch_ops.py.
+PASSES_BOTH, PASSES_BOTH_ONE_RANK, PASSES_OPS = 178, 170, 159
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_per_rank_suite(layout):
     nodes, virtual, env = LAYOUTS[layout]
-    files = PER_RANK if layout in BOTH_FILES else PER_RANK[:1]
+    both = layout in BOTH_FILES
+    files = PER_RANK if both else PER_RANK[:1]
     proc = run_ranks(nodes, PYTEST + files, env=env, virtual_hosts=virtual)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_rank_summaries(proc.stdout, sum(nodes))
+    minimum = (PASSES_BOTH if sum(nodes) > 1 else PASSES_BOTH_ONE_RANK) if both else PASSES_OPS
+    check_rank_summaries(proc.stdout, sum(nodes), minimum)
 
 
 def test_killed_rank_fails_every_process_quickly():
@@ -55,12 +61,23 @@ def test_stall_inspector_names_missing_rank():
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "Missing ranks:" in proc.stdout
     assert re.search(r"^1: \[allreduce\.stalled\]", proc.stdout, re.M), proc.stdout[-3000:]
+    # One report per interval (each rank's clock used to ask for its own), and rank 1, which
+    # computed for 3.5 times the warning time, was not taken for a deadlock.
+    stamps = [datetime.datetime.strptime(m, "%Y-%m-%d %H:%M:%S,%f") for m in re.findall(
+        r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) aiak_training WARNING\] One or more tensors",
+        proc.stdout)]
+    assert stamps, proc.stdout[-3000:]
+    gaps = [(b - a).total_seconds() for a, b in zip(stamps, stamps[1:])]
+    assert all(gap > 0.5 for gap in gaps), gaps
+    assert "deadlock: " not in proc.stdout
 
 
 def test_stall_shutdown_raises_on_every_rank():
     proc = run_ranks([2], [sys.executable, "tests/scripts/stall.py", "shutdown"],
                      env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "1",
-                          "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"}, timeout=120)
+                          "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2",
+                          # Horovod's rule alone: here the deadlock check would end it first.
+                          "AIAK_DEADLOCK_SHUTDOWN": "0"}, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert proc.stdout.count("stall shutdown raised HorovodInternalError") == 2, proc.stdout
 

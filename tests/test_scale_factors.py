@@ -14,4 +14,4 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--roo
 def test_scale_factors_match_horovod(ranks):
     proc = run_ranks([ranks], PYTEST)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_rank_summaries(proc.stdout, ranks)
+    check_rank_summaries(proc.stdout, ranks, 171)

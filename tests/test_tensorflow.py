@@ -35,7 +35,8 @@ def test_tf_per_rank_suite(layout):
     nodes, virtual, env = LAYOUTS[layout]
     proc = run_ranks(nodes, PER_RANK, env={**FRONTEND, **env}, virtual_hosts=virtual)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_rank_summaries(proc.stdout, sum(nodes))
+    # tests/parallel/test_tf_ops.py: one rank skips the two tests that need two.
+    check_rank_summaries(proc.stdout, sum(nodes), 22 if sum(nodes) > 1 else 20)
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

@@ -24,7 +24,7 @@ ENV = {"AIAK_TEST_FRONTEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
 def test_tf_fidelity_per_rank_suite(ranks):
     proc = run_ranks([ranks], PER_RANK, env=ENV)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    check_rank_summaries(proc.stdout, ranks)
+    check_rank_summaries(proc.stdout, ranks, 6)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

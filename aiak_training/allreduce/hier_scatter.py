@@ -61,6 +61,7 @@ class HierScatter:
         for r, (c, l) in enumerate(places):
             self.rank_at[l][c] = r
         self._staging = np.empty(0, dtype=np.uint8)
+        self.runs = 0  # reduce-scatters and allgathers run through this object
 
     def _staging_addr(self, nbytes: int) -> int:
         if self._staging.nbytes < nbytes:
@@ -84,6 +85,7 @@ class HierScatter:
                       op: ReduceOp, prescale: float, postscale: float) -> None:
         """Reduce the ``sum(counts)`` elements at ``src`` over all ranks; this rank's block
         (``counts[rank]`` elements, rank order) lands at ``out``, scaled by ``postscale``."""
+        self.runs += 1
         t, isz = self.topology, ITEMSIZE[dtype]
         total = sum(counts)
         if total == 0:
@@ -112,6 +114,7 @@ class HierScatter:
     def allgather(self, src: int, out: int, counts: Sequence[int], dtype: DataType) -> None:
         """Gather every rank's ``counts[rank]`` elements (this rank's at ``src``) into
         ``out`` in rank order."""
+        self.runs += 1
         t, isz = self.topology, ITEMSIZE[dtype]
         total = sum(counts)
         if total == 0:
@@ -140,3 +143,9 @@ def hier_scatter(topology: Topology) -> HierScatter:
         found = _by_topology[key] = HierScatter(topology)
         topology.add_finalizer(lambda: _by_topology.pop(key, None))
     return found
+
+
+def made() -> List[HierScatter]:
+    """The :class:`HierScatter` objects that exist now: one per topology whose collectives
+    have run hierarchically (the engine's own, for tests that check which path it took)."""
+    return list(_by_topology.values())

@@ -35,6 +35,15 @@ def _gpu_transport() -> str:
     return "nccl"
 
 
+def _deadlock_shutdown() -> bool:
+    """AIAK_DEADLOCK_SHUTDOWN when set; else on, unless the job chose Horovod's own stall
+    rule by setting HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (0, "never", included)."""
+    explicit = env_optional_bool("AIAK_DEADLOCK_SHUTDOWN")
+    if explicit is not None:
+        return explicit
+    return not os.environ.get("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "").strip()
+
+
 @dataclass
 class Config:
     fusion_threshold: int = 128 * 1024 * 1024   # HOROVOD_FUSION_THRESHOLD, bytes
@@ -43,6 +52,11 @@ class Config:
     stall_check_disable: bool = False            # HOROVOD_STALL_CHECK_DISABLE
     stall_check_time_s: float = 60.0             # HOROVOD_STALL_CHECK_TIME_SECONDS
     stall_shutdown_time_s: float = 0.0           # HOROVOD_STALL_SHUTDOWN_TIME_SECONDS
+    # A certain deadlock (every rank waits, and none submitted or completed a collective for
+    # the stall-warning time) ends the job with an error; Horovod waits forever.  On unless
+    # the stall check is disabled or HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is set (then its
+    # rule alone applies, as in Horovod); AIAK_DEADLOCK_SHUTDOWN=1 or 0 says so explicitly.
+    deadlock_shutdown: bool = True
     timeline: Optional[str] = None               # HOROVOD_TIMELINE (path or DYNAMIC)
     timeline_mark_cycles: bool = False           # HOROVOD_TIMELINE_MARK_CYCLES
     # HOROVOD_HIERARCHICAL_ALLREDUCE: None when unset (the algorithm is chosen by topology),
@@ -90,6 +104,7 @@ class Config:
                                          cls.stall_check_time_s, minimum=0.0),
             stall_shutdown_time_s=env_float("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
                                             cls.stall_shutdown_time_s, minimum=0.0),
+            deadlock_shutdown=_deadlock_shutdown(),
             timeline=env_str("HOROVOD_TIMELINE"),
             timeline_mark_cycles=env_bool("HOROVOD_TIMELINE_MARK_CYCLES"),
             hierarchical_allreduce=env_optional_bool("HOROVOD_HIERARCHICAL_ALLREDUCE"),

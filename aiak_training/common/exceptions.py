@@ -18,6 +18,26 @@ class HorovodInternalError(RuntimeError):
         _exit_guard.note_failure(str(args[0]) if args else "")
 
 
+#: How the engine's deadlock error begins (csrc/engine/controller.cpp, deadlock_message).
+DEADLOCK_PREFIX = "deadlock: "
+
+
+class DeadlockError(HorovodInternalError):
+    """Every rank waited for a collective that some ranks never submitted, so none could go
+    on (the engine's deadlock check; the message names what each rank waited for).
+
+    A bug in the program, not a lost peer: an elastic job does not restore and retry it, as
+    the retry would stop the same way.
+    """
+
+
+def collective_error(message: str) -> HorovodInternalError:
+    """The exception for a failed collective whose engine reported ``message``."""
+    if message.startswith(DEADLOCK_PREFIX):
+        return DeadlockError(message)
+    return HorovodInternalError(message)
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Hosts were added to or removed from an elastic job (raised by ``state.commit()``).
     ``skip_sync`` is True when hosts were only removed: the survivors all hold the state

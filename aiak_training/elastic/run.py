@@ -4,7 +4,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from aiak_training.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from aiak_training.common.exceptions import (DeadlockError, HorovodInternalError,
+                                             HostsUpdatedInterrupt)
 from aiak_training.elastic.worker import elastic_enabled, notification_manager
 
 
@@ -19,6 +20,7 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
 
     * ``HorovodInternalError`` (a peer died): restore the last commit, ``reset()`` (re-form
       the world), ``state.on_reset()``, sync from the new rank 0 and call ``func`` again;
+      but not its ``DeadlockError``, which ends the job (a retry would deadlock again);
     * ``HostsUpdatedInterrupt`` (hosts added or removed, raised at a commit): the same without
       the restore (the state was just committed), and without the sync when hosts were only
       removed.
@@ -39,6 +41,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                     if not skip_sync:
                         state.sync()
                     return func(state, *args, **kwargs)
+                except DeadlockError:
+                    raise  # a bug of the program: a retry would stop the same way
                 except HorovodInternalError:
                     state.restore()
                     skip_sync = False

@@ -51,14 +51,18 @@ def mixed_error(what: str, obj: Any, expected: ModuleType) -> ValueError:
     """The error for a Keras object of the other Keras than the process uses."""
     theirs = keras_of(obj)
     other = importlib.import_module("tf_keras" if theirs == "tf_keras" else "keras")
+    if describe(expected).startswith("tf_keras"):
+        who = (" by aiakrun --horovod-compat, since tf_keras is installed; run with "
+               "TF_USE_LEGACY_KERAS=0 to train with Keras 3"
+               if os.environ.get("AIAK_COMPAT_KERAS2") == "1" else "")
+        advice = f"Build them with tf.keras / tf_keras (TF_USE_LEGACY_KERAS=1 is set{who})."
+    else:
+        advice = ("Build them with keras (Keras 3), or set TF_USE_LEGACY_KERAS=1 before "
+                  "TensorFlow is imported to train with tf_keras.")
     return ValueError(
         f"{what} got {type(obj).__module__}.{type(obj).__name__}, an object of "
         f"{describe(other)}, but this process trains with {describe(expected)}: one model "
-        "and its optimizer must come from one Keras. "
-        + ("Build them with tf.keras / tf_keras (TF_USE_LEGACY_KERAS=1 is set)."
-           if describe(expected).startswith("tf_keras") else
-           "Build them with keras (Keras 3), or set TF_USE_LEGACY_KERAS=1 before "
-           "TensorFlow is imported to train with tf_keras."))
+        "and its optimizer must come from one Keras. " + advice)
 
 
 def local_layers(layers: Any, module: ModuleType) -> List[Any]:

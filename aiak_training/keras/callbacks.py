@@ -20,6 +20,7 @@ import numpy as np
 
 from aiak_training.common import horovod_strings as hs
 from aiak_training.keras import _backend, _lr_schedule
+from aiak_training.runtime.call_origin import collective_helper
 from aiak_training.runtime.process_sets import global_process_set
 
 _ops = _backend.adapter()
@@ -62,6 +63,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         """Leave ``var`` out of the broadcast (it keeps each rank's own value)."""
         self._local_vars.add(id(var))
 
+    @collective_helper("BroadcastGlobalVariablesCallback")
     def on_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if self.broadcast_done:
             return

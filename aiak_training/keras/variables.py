@@ -22,6 +22,7 @@ from typing import Any, List
 import keras
 
 from aiak_training.keras import _backend, _flavour
+from aiak_training.runtime.call_origin import collective_helper
 from aiak_training.runtime.process_sets import global_process_set
 
 _ops = _backend.adapter()
@@ -42,10 +43,12 @@ def global_variables() -> List[Any]:
     return out
 
 
+@collective_helper("broadcast_global_variables")
 def broadcast_global_variables(root_rank: int) -> None:
     """Overwrite every global variable (the weights of all live Keras models, then their
     optimizers' variables; see this module) with ``root_rank``'s values.  Every rank must
-    call it with the same models alive and built."""
+    call it with the same models alive and built: it is a collective (by default, a call on
+    some ranks only stops the job with a deadlock error naming this function)."""
     variables = global_variables()
     if variables:
         _ops.broadcast_variables(variables, root_rank, global_process_set)

@@ -33,7 +33,8 @@ from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 from aiak_training.runner.env_map import is_exportable, launcher_env
 from aiak_training.runner.failure import (FAILURE_DIR_ENV, RankFailure, describe_returncode,
                                           now, shell_status, write_failure)
-from aiak_training.runner.hosts import HostSlots, assign_slots, is_local_host, used_hosts
+from aiak_training.runner.hosts import (HostSlots, assign_slots, is_local_host, ssh_failure,
+                                        unreachable, used_hosts)
 from aiak_training.runner.line_pump import write_all
 from aiak_training.runner.task_wrapper import OUTPUT_DIR_ENV
 
@@ -71,6 +72,11 @@ def rendezvous_address(hosts: Sequence[HostSlots], iface: Optional[str]) -> str:
     addr = _interface_address(iface) if iface else None
     addr = addr or _route_address(remote[0])
     if not addr:
+        try:
+            socket.getaddrinfo(remote[0], None)
+        except (socket.gaierror, UnicodeError):
+            raise ValueError(f"--gloo: host {remote[0]} does not resolve") from None
+        # It resolves, but no local address routes to it: an interface must be named.
         raise ValueError(f"--gloo: cannot find this host's address towards {remote[0]} for the "
                          "rendezvous; pass --network-interface")
     return addr
@@ -84,14 +90,15 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str], run_dir: str,
     from aiak_training.runner.args import network_interfaces
     from aiak_training.runner.stdin_program import launcher_stdin, stdin_program_env
     from aiak_training.runner.rank_setup import (CLUSTER_IFACE_ENV, CLUSTER_LAUNCHER_ENV,
-                                                 VIRTUAL_HOSTS_ENV, rank_command, rank_vars,
-                                                 resolve_hosts)
+                                                 VIRTUAL_HOSTS_ENV, check_hosts, hosts_source,
+                                                 rank_command, rank_vars, resolve_hosts)
     virtual = args.virtual_hosts or env_bool(VIRTUAL_HOSTS_ENV, environ=environ)
     cluster_exec = environ.get(CLUSTER_LAUNCHER_ENV) or None
     if virtual:
         cluster_exec = None
     placement = assign_slots(resolve_hosts(args, environ, bool(cluster_exec)), args.num_proc)
     hosts = used_hosts(placement)
+    check_hosts(hosts, args, virtual, bool(cluster_exec))
     set_vars = rank_vars(args, environ, virtual)
     nics = network_interfaces(args)
     iface = nics[0] if nics else (environ.get(CLUSTER_IFACE_ENV) if cluster_exec else None)
@@ -119,7 +126,8 @@ def plan_job(args: argparse.Namespace, environ: Mapping[str, str], run_dir: str,
               "env": r.horovod_env()} for r in placement]
     plan = {"ranks": ranks, "command": rank_command(args.command),
             "rendezvous_addr": "127.0.0.1" if virtual else rendezvous_address(hosts, iface),
-            "remote_exec": remote_exec, "cwd": os.getcwd(), "verbose": bool(args.verbose)}
+            "remote_exec": remote_exec, "cwd": os.getcwd(), "verbose": bool(args.verbose),
+            "hosts_source": hosts_source(args)}
     return plan, env
 
 
@@ -166,6 +174,7 @@ class _Rank:
     def __init__(self, rank: int, host: str, local: bool, proc: subprocess.Popen):
         self.rank, self.host, self.local, self.proc = rank, host, local, proc
         self.reported = False  # its task wrapper printed its failure line
+        self.ssh_failure: Optional[Tuple[str, str]] = None  # its remote launch's, if any
         self.threads: List[threading.Thread] = []
         self.ended_at: Optional[float] = None  # wall-clock end, stamped by a waiter thread
         self.handled = False
@@ -183,6 +192,8 @@ class _Rank:
         for line in iter(stream.readline, b""):
             if line.startswith(marker):
                 self.reported = True
+            elif not self.local and self.ssh_failure is None:
+                self.ssh_failure = ssh_failure(line)
             try:
                 write_all(console, prefix + (line if line.endswith(b"\n") else line + b"\n"))
             except OSError:
@@ -200,7 +211,8 @@ def _remote_command(rank_env: Mapping[str, str], env: Mapping[str, str], cwd: st
     return f"cd {shlex.quote(cwd)} && exec env {' '.join(assigns)} {shlex.join(command)}"
 
 
-def _lost_record(r: _Rank, returncode: int, host_ranks: Sequence[int]) -> RankFailure:
+def _lost_record(r: _Rank, returncode: int, host_ranks: Sequence[int],
+                 source: str = "") -> RankFailure:
     """The failure record of a rank that ended without its task wrapper reporting."""
     if len(host_ranks) > 1:
         who = f"ranks {host_ranks[0]}-{host_ranks[-1]}" if list(host_ranks) == list(
@@ -208,6 +220,9 @@ def _lost_record(r: _Rank, returncode: int, host_ranks: Sequence[int]) -> RankFa
             "ranks " + ", ".join(str(x) for x in host_ranks)
     else:
         who = f"rank {host_ranks[0]}"
+    if r.ssh_failure is not None:
+        return RankFailure(r.rank, r.host, returncode, r.ended_at or now(),
+                           detail="could not start: " + unreachable(*r.ssh_failure, source))
     where = "remote launch" if not r.local else "process"
     return RankFailure(r.rank, r.host, returncode, r.ended_at or now(),
                        detail=f"was lost: host {r.host} ({who}): its {where} ended with "
@@ -277,7 +292,8 @@ def launcher_main(plan_path: str) -> int:
             if not r.reported:
                 # Nothing of the rank said why (killed with its wrapper, or its host went
                 # away): record it as lost, with its host, for aiakrun's report.
-                write_failure(failure_dir, _lost_record(r, code, by_host[r.host]))
+                write_failure(failure_dir, _lost_record(r, code, by_host[r.host],
+                                                        plan.get("hosts_source", "")))
         running = [r for r in ranks if r.ended_at is None]
         if not running:
             break

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 import socket
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from aiak_training.common.ranks import RankIdentity, place_ranks
 
@@ -48,7 +48,8 @@ def parse_hosts(spec: str) -> List[HostSlots]:
 def parse_hostfile(path: str) -> List[HostSlots]:
     """Parse a hostfile with lines ``host slots=N`` (``#`` comments and blank lines allowed).
 
-    A bare ``host`` line means one slot, as in Open MPI hostfiles.
+    A bare ``host`` line means one slot, as in Open MPI hostfiles; ``host:N`` is MPICH's and
+    Intel MPI's form (the Kubeflow MPI Operator writes it for those MPIs).
     """
     hosts: List[HostSlots] = []
     with open(path, "r", encoding="utf-8") as f:
@@ -58,6 +59,9 @@ def parse_hostfile(path: str) -> List[HostSlots]:
                 continue
             fields = line.split()
             name, slots = fields[0], 1
+            if re.match(r"^[^:]+:[0-9]+$", name) and len(fields) == 1:  # hydra's host:N
+                name, count = name.rsplit(":", 1)
+                slots = int(count)
             for extra in fields[1:]:
                 key, sep, value = extra.partition("=")
                 if key in ("slots", "max_slots", "max-slots") and sep and value.isdigit():
@@ -123,3 +127,43 @@ def is_local_host(name: str) -> bool:
     except OSError:
         return False
     return name in (here, here.split(".")[0])
+
+
+# ---- hosts that cannot be reached ------------------------------------------------------------
+def check_names_resolve(hosts: Sequence[HostSlots], source: str) -> None:
+    """Raise ValueError naming the first remote host whose name does not resolve, and
+    ``source`` (the flag that listed it): otherwise ssh fails later, inside the MPI
+    launcher or the Gloo launch, with a message that does not say which flag was wrong."""
+    for host in hosts:
+        if is_local_host(host.name):
+            continue
+        try:
+            socket.getaddrinfo(host.name, None)
+        except (socket.gaierror, UnicodeError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise ValueError(f"host {host.name} (listed by {source}) does not resolve "
+                             f"({reason}): check the name in {source}") from None
+
+
+# ssh's own complaints when it cannot reach a host or log in to it.
+_SSH_FAILURES = (
+    re.compile(rb"^ssh: connect to host (\S+) port \d+: (.+?)\s*$"),
+    re.compile(rb"^ssh: Could not resolve hostname (\S+?): (.+?)\s*$"),
+    re.compile(rb"^(?:\S+@)?(\S+?): (Permission denied \(.+\))\.?\s*$"),
+)
+
+
+def ssh_failure(line: bytes) -> Optional[Tuple[str, str]]:
+    """``(host, reason)`` when ``line`` is ssh saying it could not reach or log in to a
+    host, else None."""
+    for pattern in _SSH_FAILURES:
+        m = pattern.match(line)
+        if m:
+            return m.group(1).decode("utf-8", "replace"), m.group(2).decode("utf-8", "replace")
+    return None
+
+
+def unreachable(host: str, reason: str, source: str) -> str:
+    """The summary's words for a host that ssh could not reach."""
+    listed = f" (listed by {source})" if source else ""
+    return f"cannot reach host {host}{listed} over ssh: {reason}"

@@ -27,8 +27,9 @@ from aiak_training.runner.mpi_flavour import Flavour, MpiLauncher, MpiNotFoundEr
 from aiak_training.runner.mpi_run import LaunchSpec, build_mpi_command
 # UsageError is part of this module's interface (what run() reports as a usage problem).
 from aiak_training.runner.rank_setup import (CLUSTER_IFACE_ENV, CLUSTER_LAUNCHER_ENV,  # noqa: F401
-                                             VIRTUAL_HOSTS_ENV, UsageError, _warn, rank_command,
-                                             rank_vars, resolve_hosts)
+                                             VIRTUAL_HOSTS_ENV, UsageError, _warn, check_hosts,
+                                             hosts_source, rank_command, rank_vars,
+                                             resolve_hosts)
 from aiak_training.runner.start_watch import watch_start
 from aiak_training.runner.stdin_program import launcher_stdin, stdin_program_env
 from aiak_training.runner.supervise import report, run_job
@@ -107,6 +108,7 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], launcher: MpiL
         binding_args=shlex.split(args.binding_args) if args.binding_args else None,
         extra_mpi_args=shlex.split(args.mpi_args) if args.mpi_args else (),
         tcp=args.tcp,
+        hosts_source=hosts_source(args),
     )
     return spec, env
 
@@ -180,6 +182,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         try:
             launcher = detect_launcher(os.environ)
             spec, env = prepare(args, os.environ, launcher, run_dir)
+            check_hosts(spec.hosts, args, spec.virtual_hosts, bool(spec.cluster_launcher_exec))
             build_mpi_command(spec)  # refuses a bad layout before a port is opened
             # Liveness port and output reader (runner/launch_guard.py).
             spec, liveness, output = start_guards(spec, env, verbose=bool(args.verbose))

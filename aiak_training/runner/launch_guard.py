@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 
 from aiak_training.compat import COMPAT_ENV
 from aiak_training.runner.blame import culprit_line, read_notes
-from aiak_training.runner.hosts import is_local_host
+from aiak_training.runner.hosts import is_local_host, unreachable
 from aiak_training.runner.launcher_output import HOROVOD_COMPAT_HINT, LauncherOutput
 from aiak_training.runner.liveness import LIVENESS_ENV, LivenessServer
 from aiak_training.runner.mpi_flavour import Flavour
@@ -59,5 +59,9 @@ def finish_result(result: JobResult, output: LauncherOutput, spec: LaunchSpec,
         hosts = {r: alias.get(name, name if spec.virtual_hosts or not is_local_host(name)
                               else here) for r, name in placed.items()}
         result.culprit = culprit_line(result.failures, notes, hosts) or result.culprit
+    if output.ssh_failure is not None and not result.failures:
+        result.unreachable = unreachable(*output.ssh_failure, spec.hosts_source)
     if output.horovod_missing and COMPAT_ENV not in spec.set_env:
         result.hints.append(HOROVOD_COMPAT_HINT)
+    if output.keras2_hint and result.exit_code != 0:
+        result.hints.append(output.keras2_hint)

@@ -10,7 +10,8 @@ printed after the launcher's output has ended, so it is the last thing on the co
 ``--verbose`` keeps the raw output.
 
 While reading, it also notices ``ModuleNotFoundError: No module named 'horovod...'`` from a
-rank, so that aiakrun can hint at ``--horovod-compat`` once per job.
+rank, so that aiakrun can hint at ``--horovod-compat`` once per job, and the Horovod shim's
+Keras 2 hint (compat/keras_hint.py), which aiakrun repeats after its summary.
 
 Rank output is labelled by the launcher (``[3] ...`` or ``[1,3]<stdout>:...``), so a line
 this filter recognises as the launcher's own cannot come from a rank's program.
@@ -21,8 +22,9 @@ import os
 import re
 import select
 import threading
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
+from aiak_training.runner.hosts import ssh_failure
 from aiak_training.runner.line_pump import LineAssembler, write_all
 
 # A box delimiter: a line of only '=' or '-' (hydra and Open MPI draw boxes with them).
@@ -42,6 +44,9 @@ _BANNER_LINE = re.compile(
     rb"mpirun noticed that process rank \d+ .*|prterun noticed that process rank \d+ .*)\s*$")
 _MAX_BOX_LINES = 60
 _HOROVOD_MISSING = re.compile(rb"ModuleNotFoundError: No module named '(horovod)(\.[\w.]+)?'")
+# The line a rank's Horovod shim prints after a Keras 3 error (compat/keras_hint.py).
+_KERAS2_HINT = re.compile(
+    rb"(aiak-training: hint: this Horovod script uses the Keras 2 API[^\r\n]*)")
 
 HOROVOD_COMPAT_HINT = ("aiakrun: hint: the program imports horovod, which is not installed "
                        "here; run it with aiakrun --horovod-compat (or AIAK_HOROVOD_COMPAT=1) "
@@ -106,6 +111,10 @@ class LauncherOutput:
     def __init__(self, raw: bool = False):
         self.raw = raw
         self.horovod_missing = False
+        self.keras2_hint: Optional[str] = None  # the shim's Keras 2 line, repeated at the end
+        # (host, reason) of the first "ssh: ..." failure the launcher printed: hydra starts
+        # its proxies through ssh, and on failure says only "Launch proxy failed".
+        self.ssh_failure: Optional[Tuple[str, str]] = None
         self._threads: List[threading.Thread] = []
 
     def start(self, stdout_fd: int, stderr_fd: int) -> None:
@@ -126,6 +135,13 @@ class LauncherOutput:
             return
         if not self.horovod_missing and _HOROVOD_MISSING.search(data):
             self.horovod_missing = True
+        if self.keras2_hint is None:
+            found = _KERAS2_HINT.search(data)
+            if found:
+                self.keras2_hint = found.group(1).decode("utf-8", "replace")
+        if self.ssh_failure is None and (b"ssh" in data or b"Permission denied" in data):
+            for line in data.splitlines():
+                self.ssh_failure = self.ssh_failure or ssh_failure(line)
         try:
             write_all(dst, data)
         except OSError:

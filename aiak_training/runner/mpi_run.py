@@ -46,6 +46,7 @@ class LaunchSpec:
     binding_args: Optional[Sequence[str]] = None
     extra_mpi_args: Sequence[str] = ()
     tcp: bool = False
+    hosts_source: str = ""  # the flag that listed ``hosts`` ("-H", "--hostfile F"), for messages
 
 
 def host_list(hosts: Sequence[HostSlots]) -> str:

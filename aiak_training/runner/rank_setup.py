@@ -12,8 +12,10 @@ from typing import Dict, List, Mapping, Sequence
 
 from aiak_training.compat import (COMPAT_ENV, RealHorovodError, compat_pythonpath,
                                   compat_requested)
+from aiak_training.compat.keras2 import keras2_vars
 from aiak_training.runner.env_map import flag_env, parse_env_assignments
-from aiak_training.runner.hosts import HostSlots, parse_hostfile, parse_hosts
+from aiak_training.runner.hosts import (HostSlots, check_names_resolve, parse_hostfile,
+                                        parse_hosts)
 
 WRAPPER_MODULE = "aiak_training.runner.task_wrapper"
 VIRTUAL_HOSTS_ENV = "AIAK_VIRTUAL_HOSTS"
@@ -42,6 +44,24 @@ def resolve_hosts(args: argparse.Namespace, environ: Mapping[str, str],
     return [HostSlots("localhost", args.num_proc)]
 
 
+def hosts_source(args: argparse.Namespace) -> str:
+    """The flag that listed the hosts :func:`resolve_hosts` returns, as a message names it."""
+    if args.hosts:
+        return "-H"
+    if args.hostfile:
+        return f"--hostfile {args.hostfile}"
+    return ""
+
+
+def check_hosts(hosts: Sequence[HostSlots], args: argparse.Namespace, virtual: bool,
+                cluster_exec: bool) -> None:
+    """Refuse a host list whose names do not resolve (not for virtual hosts, nor on the
+    emulated cluster, whose launcher reaches its nodes by name without DNS)."""
+    source = hosts_source(args)
+    if source and not virtual and not cluster_exec:
+        check_names_resolve(hosts, source)
+
+
 def rank_command(command: Sequence[str], python: str = sys.executable) -> List[str]:
     """What MPI starts on each rank: the user's command behind the task wrapper."""
     return [python, "-m", WRAPPER_MODULE, "--", *command]
@@ -49,7 +69,8 @@ def rank_command(command: Sequence[str], python: str = sys.executable) -> List[s
 
 def rank_vars(args: argparse.Namespace, environ: Mapping[str, str],
               virtual: bool) -> Dict[str, str]:
-    """Variables aiakrun sets for the ranks: tunable flags, ``-x``, the compat PYTHONPATH."""
+    """Variables aiakrun sets for the ranks: tunable flags, ``-x``, the compat PYTHONPATH (and
+    Keras 2 for the compat switch, see :mod:`aiak_training.compat.keras2`)."""
     set_vars: Dict[str, str] = flag_env(args, environ)
     x_vars, missing = parse_env_assignments(args.env_vars, environ)
     for name in missing:
@@ -65,4 +86,6 @@ def rank_vars(args: argparse.Namespace, environ: Mapping[str, str],
         except RealHorovodError as exc:
             raise UsageError(f"--horovod-compat: {exc}") from exc
         set_vars[COMPAT_ENV] = "1"
+        # Horovod's TensorFlow scripts are Keras 2 scripts: tf_keras where it is installed.
+        set_vars.update(keras2_vars(environ, set_vars))
     return set_vars

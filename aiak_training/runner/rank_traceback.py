@@ -32,6 +32,12 @@ _QUALIFIED = re.compile(r"^(?:[A-Za-z_][\w]*\.)+(?=[A-Za-z_]\w*(?::|$))")
 CUT_NOTE = b" [traceback not shown: a consequence of another rank's failure]"
 #: How much of an exception message the summary repeats.
 MAX_MESSAGE = 300
+#: An indented line of a multi-line message that names an error: ``    TypeError: 'list'
+#: object is not callable`` (TensorFlow puts the real cause there, under "in user code:").
+_CAUSE = re.compile(r"^\s+(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)"
+                    r"(?:: .*)?$")
+#: How many lines of a multi-line message are searched for the cause.
+MAX_MESSAGE_LINES = 60
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,14 @@ def short_exception(line: str) -> str:
     return line if len(line) <= MAX_MESSAGE else line[:MAX_MESSAGE - 3] + "..."
 
 
+def announces_more(line: str) -> bool:
+    """Whether an exception line's message is only a heading for the lines below it
+    (``TypeError: in user code:``, or no message at all)."""
+    _, sep, message = line.partition(": ")
+    message = message.strip() if sep else ""
+    return not message or message.endswith(":")
+
+
 class TracebackWatch(LineFilter):
     """``feed(bytes) -> bytes`` over a rank's stderr (see the module doc).
 
@@ -58,9 +72,14 @@ class TracebackWatch(LineFilter):
     def __init__(self) -> None:
         super().__init__()
         self.last: Optional[RankException] = None
+        # Lines still to search for the cause under an exception line that only announced
+        # it (see announces_more); 0 when not searching.
+        self._cause_lines = 0
 
     def _line(self, line: bytes) -> List[bytes]:
         body = line.rstrip(b"\r\n")
+        if self._cause_lines:
+            self._look_for_cause(body)
         if not self._held:
             if body.startswith(_START):
                 self._held = [line]
@@ -75,11 +94,29 @@ class TracebackWatch(LineFilter):
         # The exception line ends the traceback.
         held, self._held = self._held, []
         secondary = bool(_SHUT_DOWN.match(body))
-        self.last = RankException(short_exception(body.decode("utf-8", "replace")),
-                                  time.time(), secondary)
+        text = body.decode("utf-8", "replace")
+        self.last = RankException(short_exception(text), time.time(), secondary)
+        self._cause_lines = MAX_MESSAGE_LINES if announces_more(text) else 0
         if secondary:
             return [body + CUT_NOTE + line[len(body):]]
         return held
+
+    def _reading_message(self) -> bool:
+        return self._cause_lines > 0
+
+    def _look_for_cause(self, body: bytes) -> None:
+        """A line after an exception line that announced more: the first indented one that
+        names an error becomes the exception the summary repeats.  A line that is not
+        indented ends the message (and the search)."""
+        text = body.decode("utf-8", "replace")
+        if text.strip() and text[:1] not in (" ", "\t"):
+            self._cause_lines = 0
+            return
+        self._cause_lines -= 1
+        if self.last is not None and _CAUSE.match(text):
+            self.last = RankException(short_exception(text), self.last.time,
+                                      self.last.secondary)
+            self._cause_lines = 0
 
     def flush(self) -> bytes:
         """At the end of the stream: whatever is still held."""

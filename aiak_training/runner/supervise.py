@@ -75,6 +75,9 @@ class JobResult:
     # The rank that caused the failure when it is not the first to fail (runner/blame.py).
     culprit: Optional[str] = None
     hints: List[str] = field(default_factory=list)  # one-line advice printed after the summary
+    # A host the launcher's ssh could not reach (runner/hosts.py: unreachable), when no rank
+    # reported anything: the job never started there.
+    unreachable: Optional[str] = None
 
     @property
     def cause(self) -> Optional[RankFailure]:
@@ -372,6 +375,9 @@ def report(result: JobResult, launcher: str, out: TextIO = sys.stderr) -> None:
         print(f"aiakrun: job failed: {headline}; the other ranks were stopped", file=out)
     elif result.stop_signal is not None:
         print(f"aiakrun: stopped by {signal.Signals(result.stop_signal).name}", file=out)
+    elif result.unreachable and result.launcher_returncode != 0:
+        print(f"aiakrun: job failed: {result.unreachable}; {os.path.basename(launcher)} "
+              f"exited with {describe_returncode(result.launcher_returncode)}", file=out)
     elif result.lost_hosts:
         print(f"aiakrun: job failed: {result.lost_hosts[0].describe()}; "
               f"{os.path.basename(launcher)} exited with "

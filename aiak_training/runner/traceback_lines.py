@@ -35,6 +35,11 @@ class LineFilter:
     def _line(self, line: bytes) -> List[bytes]:
         raise NotImplementedError
 
+    def _reading_message(self) -> bool:
+        """Whether the lines now arriving belong to something the filter reads whole (a
+        partial line then waits for its end, like one of a traceback)."""
+        return False
+
     def feed(self, data: bytes) -> bytes:
         data = self._partial + data
         self._partial = b""
@@ -44,7 +49,8 @@ class LineFilter:
         for line in lines:
             out += self._line(line)
         if partial:
-            if self._held or START.startswith(partial) or partial.startswith(START):
+            if self._held or self._reading_message() or START.startswith(partial) or \
+                    partial.startswith(START):
                 self._partial = partial  # the rest comes with the next chunk
             else:
                 out.append(partial)  # a prompt, not part of a traceback

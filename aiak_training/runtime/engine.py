@@ -27,7 +27,7 @@ from aiak_training.common import horovod_strings as hs
 from aiak_training.common import native
 from aiak_training.common.config import Config
 from aiak_training.common.dtypes import DataType, ReduceOp, free_user_ops, mpi_datatype
-from aiak_training.common.exceptions import HorovodInternalError
+from aiak_training.common.exceptions import collective_error
 from aiak_training.common.messages import OpType, Request, Response
 from aiak_training.common.timeline import Timeline
 from aiak_training.common.topology import Topology
@@ -69,24 +69,25 @@ def _mpi_handles() -> dict:
     return out
 
 
-def stall_times(config: Config) -> Tuple[float, float]:
-    """(warning, shutdown) times of the stall check in seconds, 0 for off.  As in Horovod, a
-    shutdown time below the warning time is ignored, with a warning."""
+def stall_times(config: Config) -> Tuple[float, float, float]:
+    """(warning, shutdown, deadlock) times of the stall check in seconds, 0 for off.  As in
+    Horovod, a shutdown time below the warning time is ignored, with a warning.  A certain
+    deadlock ends the job after the warning time, unless the user chose a shutdown rule."""
     check = 0.0 if config.stall_check_disable else config.stall_check_time_s
     shutdown = config.stall_shutdown_time_s
     if 0 < shutdown < check:
         log.warning(hs.STALL_SHUTDOWN_BELOW_WARNING)
         shutdown = 0.0
-    return check, shutdown
+    return check, shutdown, check if config.deadlock_shutdown else 0.0
 
 
 def _core_config(config: Config, gloo: Optional["GlooCalls"]) -> dict:
     """The C++ engine's settings, with the handles of its transport's objects."""
     out = _mpi_handles() if gloo is None else gloo.config()
-    stall_check_s, stall_shutdown_s = stall_times(config)
+    stall_check_s, stall_shutdown_s, deadlock_s = stall_times(config)
     out.update(
         cycle_time_s=config.cycle_time_ms / 1000.0, cache_capacity=config.cache_capacity,
-        stall_check_s=stall_check_s, stall_shutdown_s=stall_shutdown_s,
+        stall_check_s=stall_check_s, stall_shutdown_s=stall_shutdown_s, deadlock_s=deadlock_s,
         # The idle park saves Gloo jobs the CPU of idle negotiations (each one a Python call
         # and a Gloo round trip); MPI jobs keep their steady cycle.
         idle_park_s=0.0 if gloo is None else config.idle_park_ms / 1000.0,
@@ -97,7 +98,7 @@ def _core_config(config: Config, gloo: Optional["GlooCalls"]) -> dict:
 def _translate(exc: BaseException) -> BaseException:
     """The Horovod exception for an error raised by the C++ core."""
     if isinstance(exc, native.EngineStopped):
-        return HorovodInternalError(str(exc))
+        return collective_error(str(exc))
     if isinstance(exc, native.BadRequest):
         return ValueError(str(exc))
     return exc
@@ -425,7 +426,7 @@ class Engine:
             raise unknown_handle(handle) from None
         except native.EngineStopped as exc:
             self._forget(handle)
-            raise HorovodInternalError(str(exc)) from None
+            raise collective_error(str(exc)) from None
         self._keep.pop(handle, None)
         if self.results:  # only lane-executed ops leave a Python result here
             lane_result = self.results.pop(handle, None)
@@ -457,7 +458,7 @@ class Engine:
         except native.EngineStopped as exc:
             for h in handles:
                 self._forget(h)
-            raise HorovodInternalError(str(exc)) from None
+            raise collective_error(str(exc)) from None
         keep = self._keep
         for h in handles:
             keep.pop(h, None)

@@ -124,6 +124,9 @@ def describe(engine) -> str:
         parts.append(f"allreduce ? ({exc})")
     on += accelerations()
     parts.append("accelerations: " + (", ".join(on) if on else "none"))
+    if os.environ.get("AIAK_COMPAT_KERAS2") == "1":  # set by aiakrun (compat/keras2.py)
+        parts.append("tf.keras is Keras 2 (tf_keras): TF_USE_LEGACY_KERAS=1 set by "
+                     "--horovod-compat; TF_USE_LEGACY_KERAS=0 keeps Keras 3")
     return "; ".join(parts)
 
 

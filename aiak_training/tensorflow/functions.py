@@ -10,10 +10,12 @@ from typing import Any, Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from aiak_training.runtime import objects
+from aiak_training.runtime.call_origin import collective_helper
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow import mpi_ops
 
 
+@collective_helper("broadcast_variables")
 def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
                         process_set: ProcessSet = global_process_set,
                         inplace: bool = False) -> Optional[tf.Operation]:
@@ -24,6 +26,9 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
     every member passes the same list.  ``inplace`` is accepted for compatibility: the
     values are always assigned to the variables.  Eagerly the assignment is done on return
     (None is returned); in a graph, the op that does it is returned.
+
+    A collective: every member of ``process_set`` must call it, or the others wait for it
+    (by default the job then stops with a deadlock error naming this function).
     """
     del inplace  # every broadcast here ends in an assignment to the variable
     variables = list(variables)
@@ -37,10 +42,14 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int,
     return None if tf.executing_eagerly() else tf.group(*updates)
 
 
+@collective_helper("broadcast_object")
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
                      name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """``root_rank``'s ``obj`` on every member of ``process_set``.
+
+    A collective: every member must call it, or the others wait for it (by default
+    the job then stops with a deadlock error naming this function).
 
     Arguments:
         obj: any object cloudpickle can serialize; only the root's value matters.
@@ -67,17 +76,22 @@ def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: Optional[
     del session
     base = name or "broadcast_object_fn"
 
+    @collective_helper("broadcast_object_fn")
     def broadcast(obj: Any) -> Any:
         return objects.broadcast_object(obj, root_rank, f"broadcast_object.{base}",
                                         process_set)
     return broadcast
 
 
+@collective_helper("allgather_object")
 def allgather_object(obj: Any, session: Any = None, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> List[Any]:
     """Every member's ``obj`` (cloudpickle-serializable), as a list in rank order of
     ``process_set`` (unpickled copies, this rank's too).  ``name`` defaults to the name of
-    ``type(obj)``; ``session`` is ignored."""
+    ``type(obj)``; ``session`` is ignored.
+
+    A collective: every member must call it, or the others wait for it (by default
+    the job then stops with a deadlock error naming this function)."""
     del session
     name = name or type(obj).__name__
     return objects.allgather_object(obj, f"allgather_object.{name}", process_set)

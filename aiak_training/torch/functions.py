@@ -14,6 +14,7 @@ import cloudpickle
 import torch
 
 from aiak_training.common import horovod_strings as hs
+from aiak_training.runtime.call_origin import collective_helper
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.mpi_ops import (allgather_async, broadcast_async_, rank, size,
                                          synchronize)
@@ -30,6 +31,7 @@ def _as_named(params: Any) -> List[Tuple[Optional[str], Any]]:
     raise ValueError(hs.INVALID_PARAMS_TYPE.format(type(params)))
 
 
+@collective_helper("broadcast_parameters")
 def broadcast_parameters(params, root_rank: int) -> None:
     """Overwrite tensors in place with ``root_rank``'s values.
 
@@ -40,6 +42,9 @@ def broadcast_parameters(params, root_rank: int) -> None:
         root_rank: global rank whose values every rank ends up with.
 
     All broadcasts are started before the first is waited for.
+
+    A collective: every rank must call it, or the others wait for it (by default the job
+    then stops with a deadlock error naming this function).
     """
     sharded = sys.modules.get("aiak_training.torch.sharded")
     if sharded is not None:  # a sharded optimizer's allgather in flight would overwrite them
@@ -118,6 +123,7 @@ def _partition_state(optimizer, state_dict: Dict
     return tensors, values, setters
 
 
+@collective_helper("broadcast_optimizer_state")
 def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     """Make every rank's optimizer state equal to ``root_rank``'s.
 
@@ -127,6 +133,9 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     on zero gradients first, so that all ranks hold the same entries; parameters with
     ``requires_grad=False`` are left out.  Works on a plain optimizer or a
     ``DistributedOptimizer``.
+
+    A collective: every rank must call it, or the others wait for it (by default the job
+    then stops with a deadlock error naming this function).
 
     Arguments:
         optimizer: the optimizer; ``torch.optim.LBFGS`` is refused with ``ValueError``.
@@ -167,9 +176,13 @@ def _gather_bytes(payload: torch.Tensor, name: str, process_set: ProcessSet) -> 
     return gathered.numpy().tobytes()
 
 
+@collective_helper("broadcast_object")
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Send a picklable object from ``root_rank`` to every member of ``process_set``.
+
+    A collective: every member of ``process_set`` must call it, or the others wait for it
+    (by default the job then stops with a deadlock error naming this function).
 
     For example, to start every rank from rank 0's optimizer::
 
@@ -200,8 +213,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     return obj if is_root else cloudpickle.loads(data)
 
 
+@collective_helper("allgather_object")
 def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
     """Collect a picklable object from every rank.
+
+    A collective: every rank must call it, or the others wait for it (by default the job
+    then stops with a deadlock error naming this function).
 
     Arguments:
         obj: this rank's object (pickled with cloudpickle).

@@ -57,6 +57,7 @@ import torch
 
 from aiak_training.common import horovod_strings as hs
 from aiak_training.common.env import env_bytes, env_choice
+from aiak_training.runtime.call_origin import collective_helper
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.torch import overlap as _overlap
 from aiak_training.torch.mpi_ops import (Average, Sum, allgather_async, allreduce, poll, rank,
@@ -628,11 +629,13 @@ class ShardedStrategy(DistributedWrapper):
             raise RuntimeError(CONSOLIDATE_FIRST)
         return self._consolidated
 
+    @collective_helper("consolidate_state_dict")
     def consolidate_state_dict(self) -> Dict[str, Any]:
         """Gather the full optimizer state, in the plain optimizer's format, on every rank.
 
         A collective: call it on every rank (then ``state_dict()`` returns the result until the
-        next ``step()``).  Memory: the full state is held on every rank while it lives."""
+        next ``step()``).  Called on some ranks only, it leaves the others waiting, and by
+        default the job stops with a deadlock error naming this method.  Memory: the full state is held on every rank while it lives."""
         from aiak_training.torch.functions import allgather_object
         self.wait_for_parameters()
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}

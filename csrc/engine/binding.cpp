@@ -177,6 +177,7 @@ EngineConfig make_config(const py::dict& d) {
   c.stall_check_s = d["stall_check_s"].cast<double>();
   c.stall_shutdown_s = d["stall_shutdown_s"].cast<double>();
   c.idle_park_s = d.contains("idle_park_s") ? d["idle_park_s"].cast<double>() : 0.0;
+  c.deadlock_s = d.contains("deadlock_s") ? d["deadlock_s"].cast<double>() : 0.0;
   c.types.uint64 = d["UINT64_T"].cast<int64_t>();
   c.types.int32 = d["INT32_T"].cast<int64_t>();
   c.types.int64 = d["INT64_T"].cast<int64_t>();
@@ -213,6 +214,11 @@ void register_engine(py::module_& m) {
 
   m.def("float_repr", &python_float_repr, py::arg("x"),
         "repr() of a float as the engine writes it into messages (for tests).");
+  m.def("set_call_origin", &Engine::set_call_origin, py::arg("origin"),
+        "Name the library helper whose collectives this thread submits from now on (\"\" for "
+        "none): stall warnings and deadlock errors name it.");
+  m.def("call_origin", &Engine::call_origin,
+        "The helper set_call_origin() named for this thread, or \"\".");
 
   py::class_<Engine>(m, "EngineCore",
                      "The engine's C++ core (csrc/engine/): negotiation, fusion and host collectives "

@@ -13,6 +13,9 @@ namespace engine {
 namespace {
 
 constexpr uint64_t kShutdown = 1, kUncached = 2, kJoined = 4, kStall = 8;
+// kBusy: this rank is not stuck (LocalState); kPending: it has tensors in flight; kFresh:
+// it submitted something this cycle.  OR-ed over ranks, so "no kBusy" means all are stuck.
+constexpr uint64_t kBusy = 16, kPending = 32, kFresh = 64;
 // The coordinator's first broadcast: the length of its responses and as many of their bytes
 // as fit, so that a usual round (a few control ops or new tensors) needs one broadcast.
 constexpr int64_t kInlineBytes = 4096;
@@ -65,7 +68,80 @@ std::vector<int> set_bits(const uint64_t* words, int n) {
   return out;
 }
 
+// "rank 2", "ranks 0, 3", "ranks 1-7".
+std::string ranks_text(const std::vector<int>& ranks) {
+  if (ranks.size() == 1) return "rank " + std::to_string(ranks[0]);
+  bool consecutive = ranks.back() - ranks.front() + 1 == static_cast<int>(ranks.size());
+  if (consecutive && ranks.size() > 2)
+    return "ranks " + std::to_string(ranks.front()) + "-" + std::to_string(ranks.back());
+  return "ranks " + join_ints(ranks);
+}
+
+// Up to three names of a rank's pending tensors, each with its helper, then "and N more".
+std::string names_text(const PendingNames& names) {
+  constexpr size_t kShown = 3;
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < kShown; ++i) {
+    out += (i ? ", " : "") + names[i].first;
+    if (!names[i].second.empty()) out += " (from " + names[i].second + ")";
+  }
+  if (names.size() > kShown) out += " and " + std::to_string(names.size() - kShown) + " more";
+  return out;
+}
+
 }  // namespace
+
+std::string origins_note(const std::vector<std::optional<PendingNames>>& reports,
+                         const std::string& before) {
+  // helper -> (tensor names, ranks that submitted them through it)
+  std::map<std::string, std::pair<std::set<std::string>, std::set<int>>> by_origin;
+  for (size_t r = 0; r < reports.size(); ++r) {
+    if (!reports[r]) continue;
+    for (const auto& item : *reports[r]) {
+      if (item.second.empty()) continue;
+      auto& entry = by_origin[item.second];
+      entry.first.insert(item.first);
+      entry.second.insert(static_cast<int>(r));
+    }
+  }
+  std::string out;
+  for (const auto& kv : by_origin) {
+    std::string names;
+    for (const auto& n : kv.second.first) names += (names.empty() ? "" : ", ") + n;
+    out += before + kv.first + "() is a collective that every rank must call; it submitted " +
+           names + " on " +
+           ranks_text(std::vector<int>(kv.second.second.begin(), kv.second.second.end())) +
+           " only.";
+  }
+  return out;
+}
+
+std::string deadlock_message(const std::vector<std::optional<PendingNames>>& reports,
+                             double seconds) {
+  // Ranks waiting for the same names are listed together, in rank order of their first.
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (size_t r = 0; r < reports.size(); ++r) {
+    std::string what = reports[r] && !reports[r]->empty()
+                           ? names_text(*reports[r])
+                           : std::string("nothing of the global process set");
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& g) { return g.first == what; });
+    if (it == groups.end()) groups.push_back({what, {static_cast<int>(r)}});
+    else it->second.push_back(static_cast<int>(r));
+  }
+  std::string waits;
+  for (size_t i = 0; i < groups.size(); ++i)
+    waits += (i ? ", " : "") + ranks_text(groups[i].second) + (i ? " in " : " waits in ") +
+             groups[i].first;
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%g", seconds);
+  return "deadlock: " + waits + "; no rank can go on, as each waits for a collective that " +
+         "the others did not submit (no rank submitted or completed one for " + secs +
+         " s).\nLikely cause: a collective called on some ranks only (for example inside "
+         "`if hvd.rank() == 0:`)." + origins_note(reports, " ") +
+         "\nHorovod would wait here forever; to keep that behaviour, set "
+         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (0: wait forever) or HOROVOD_STALL_CHECK_DISABLE=1.";
+}
 
 std::string python_float_repr(double x) {
   if (std::isnan(x)) return "nan";
@@ -170,10 +246,11 @@ void ResponseCache::set_active(bool on) {
 
 // ---- controller ---------------------------------------------------------------------------
 Controller::Controller(Transport* transport, NegotiationTypes types, TransportHandle comm, int rank, int size,
-                       int cache_capacity, double stall_check_s, double stall_shutdown_s)
+                       int cache_capacity, double stall_check_s, double stall_shutdown_s,
+                       double deadlock_s)
     : transport_(transport), types_(types), comm_(comm), rank_(rank), size_(size),
       words_(std::max(1, (cache_capacity + 63) / 64)), cache_(cache_capacity),
-      stall_check_s_(stall_check_s), stall_shutdown_s_(stall_shutdown_s),
+      stall_check_s_(stall_check_s), stall_shutdown_s_(stall_shutdown_s), deadlock_s_(deadlock_s),
       last_stall_report_(0.0) {}
 
 void Controller::set_cache_active(bool on) {
@@ -186,12 +263,14 @@ void Controller::set_cache_active(bool on) {
   cache_.set_active(on);
 }
 
-NegotiationResult Controller::negotiate(std::vector<Request> new_requests, bool want_shutdown,
+NegotiationResult Controller::negotiate(std::vector<Request> new_requests, const LocalState& local,
                                         double now) {
   if (last_stall_report_ == 0.0) last_stall_report_ = now;
   std::vector<int> invalid_bits;
+  const bool fresh = !new_requests.empty();
   for (auto& req : new_requests) {
     submitted_at_[req.name] = now;
+    if (!req.origin.empty()) origin_of_[req.name] = req.origin;
     if (req.op_type == JOIN) joined_ = true;
     if (is_control(req.op_type) || !cache_.enabled()) {
       to_send_.push_back(std::move(req));
@@ -209,7 +288,10 @@ NegotiationResult Controller::negotiate(std::vector<Request> new_requests, bool 
 
   NegotiationResult result;
   uint64_t flags = 0;
-  if (want_shutdown) flags |= kShutdown;
+  if (local.want_shutdown) flags |= kShutdown;
+  if (fresh) flags |= kFresh;
+  if (!local.stuck) flags |= kBusy;
+  if (local.pending) flags |= kPending;
   if (!to_send_.empty()) flags |= kUncached;
   if (joined_) flags |= kJoined;
   if (stall_due(now)) {
@@ -231,6 +313,11 @@ NegotiationResult Controller::negotiate(std::vector<Request> new_requests, bool 
     if (result.shutdown_reason.empty()) result.shutdown_reason = "another rank shut down";
     return result;
   }
+  // One stall report per interval, whichever rank's clock asked for it first.
+  if (g_flags & kStall) last_stall_report_ = now;
+  // Every rank waits, none has submitted or completed anything for deadlock_s_, and
+  // something is in flight: no rank can make the move the others wait for.
+  const bool deadlock = deadlock_s_ > 0 && !(g_flags & kBusy) && (g_flags & kPending);
 
   std::vector<uint64_t> invalid(words_);
   bool any_invalid = false;
@@ -259,18 +346,30 @@ NegotiationResult Controller::negotiate(std::vector<Request> new_requests, bool 
     cache_.touch(bit);
     result.responses.push_back(cache_.response(bit));
   }
-  if (g_flags & (kUncached | kJoined | kStall)) {
+  std::string deadlock_report;
+  if ((g_flags & (kUncached | kJoined | kStall)) || deadlock) {
     // Every rank's piece is still the one it sized unless requests moved to to_send_ since
-    // (an invalid bit, a join) or a stall report is due: all ranks know which from `vec`.
-    bool sized = !(g_flags & (kJoined | kStall)) && !any_invalid;
+    // (an invalid bit, a join) or a report is due: all ranks know which from `vec`.
+    const bool report = (g_flags & kStall) || deadlock;
+    bool sized = !(g_flags & kJoined) && !report && !any_invalid;
     int64_t width = sized ? static_cast<int64_t>(~vec.back()) : 0;
     if (width <= 0 || width > std::numeric_limits<int>::max() / size_) sized = false;
-    auto planned = coordinate((g_flags & kStall) != 0, &result.stall_report,
+    auto planned = coordinate(report, &result.stall_report, deadlock ? &deadlock_report : nullptr,
                               sized ? &piece : nullptr, width);
     result.responses.insert(result.responses.end(), planned.begin(), planned.end());
   }
+  if (deadlock && result.responses.empty()) {
+    result.stall_report.clear();  // the error says it all
+    result.shutdown = result.deadlock = true;
+    result.shutdown_reason = deadlock_report;
+    return result;
+  }
   for (const auto& resp : result.responses)
-    for (const auto& name : resp->names) submitted_at_.erase(name);
+    for (const auto& name : resp->names) {
+      submitted_at_.erase(name);
+      origin_of_.erase(name);
+    }
+  result.progress = !result.responses.empty() || (g_flags & kFresh) || !(g_flags & kPending);
   return result;
 }
 
@@ -332,13 +431,18 @@ Writer Controller::uncached_piece(bool with_report) const {
   w.pod<uint8_t>(with_report);
   if (with_report) {
     w.pod<int64_t>(static_cast<int64_t>(submitted_at_.size()));
-    for (const auto& kv : submitted_at_) w.str(kv.first);
+    for (const auto& kv : submitted_at_) {
+      w.str(kv.first);
+      auto origin = origin_of_.find(kv.first);
+      w.str(origin == origin_of_.end() ? std::string() : origin->second);
+    }
   }
   return w;
 }
 
 std::vector<ResponsePtr> Controller::coordinate(bool with_report, std::string* stall_report,
-                                                const Writer* sized, int64_t width) {
+                                                std::string* deadlock, const Writer* sized,
+                                                int64_t width) {
   // Every rank sends its piece to the coordinator.  With `sized` (serialized before the bit
   // vector, whose last word gave `width`), one gather of pieces padded to that width; else
   // their sizes first, then a gather of variable pieces.  Over Gloo the second costs three
@@ -375,20 +479,27 @@ std::vector<ResponsePtr> Controller::coordinate(bool with_report, std::string* s
   Writer out;
   if (rank_ == 0) {
     std::vector<std::vector<Request>> requests(size_);
-    std::vector<std::optional<std::vector<std::string>>> reports(size_);
+    std::vector<std::optional<PendingNames>> reports(size_);
     for (int r = 0; r < size_; ++r) {
       Reader rd(all.data() + displs[r], sizes[r]);
       auto n = rd.pod<int64_t>();
       for (int64_t i = 0; i < n; ++i) requests[r].push_back(read_request(rd));
       if (rd.pod<uint8_t>()) {
-        std::vector<std::string> names(static_cast<size_t>(rd.pod<int64_t>()));
-        for (auto& name : names) name = rd.str();
+        PendingNames names(static_cast<size_t>(rd.pod<int64_t>()));
+        for (auto& name : names) {
+          name.first = rd.str();
+          name.second = rd.str();
+        }
         reports[r] = std::move(names);
       }
     }
     auto responses = plan(requests, reports, stall_report);
     out.pod<int64_t>(static_cast<int64_t>(responses.size()));
     for (const auto& resp : responses) write_response(out, *resp);
+    if (deadlock != nullptr) {
+      *deadlock = deadlock_message(reports, deadlock_s_);
+      out.str(*deadlock);
+    }
   }
   // [length][first bytes] in one fixed-size broadcast; the rest, if any, in a second.
   constexpr int64_t kFirst = kInlineBytes - static_cast<int64_t>(sizeof(int64_t));
@@ -412,12 +523,13 @@ std::vector<ResponsePtr> Controller::coordinate(bool with_report, std::string* s
   Reader rd(out.bytes.data(), out.bytes.size());
   std::vector<ResponsePtr> responses(static_cast<size_t>(rd.pod<int64_t>()));
   for (auto& resp : responses) resp = std::make_shared<const Response>(read_response(rd));
+  if (deadlock != nullptr && rank_ != 0) *deadlock = rd.str();
   return responses;
 }
 
 std::vector<ResponsePtr> Controller::plan(
     const std::vector<std::vector<Request>>& requests,
-    const std::vector<std::optional<std::vector<std::string>>>& reports,
+    const std::vector<std::optional<PendingNames>>& reports,
     std::string* stall_report) {
   std::vector<ResponsePtr> responses;
   for (int rank = 0; rank < size_; ++rank) {
@@ -469,14 +581,17 @@ std::vector<ResponsePtr> Controller::plan(
   return responses;
 }
 
-std::string Controller::report_stall(
-    const std::vector<std::optional<std::vector<std::string>>>& reports) const {
+std::string Controller::report_stall(const std::vector<std::optional<PendingNames>>& reports) const {
+  // Horovod's "rank: [names it did not submit]" lines, which log scrapers read; then which of
+  // the names come from a library helper that every rank must call.
   std::vector<std::set<std::string>> pending(size_);
   std::set<std::string> waiting;
   for (int r = 0; r < size_; ++r) {
     if (!reports[r]) continue;
-    pending[r].insert(reports[r]->begin(), reports[r]->end());
-    waiting.insert(reports[r]->begin(), reports[r]->end());
+    for (const auto& item : *reports[r]) {
+      pending[r].insert(item.first);
+      waiting.insert(item.first);
+    }
   }
   std::map<int, std::vector<std::string>> missing;
   for (const auto& name : waiting)
@@ -489,7 +604,7 @@ std::string Controller::report_stall(
     for (size_t i = 0; i < kv.second.size(); ++i) lines += (i ? ", " : "") + kv.second[i];
     lines += "]";
   }
-  return lines;
+  return lines + origins_note(reports, "\n");
 }
 
 Response Controller::construct(const std::string& name, const std::map<int, Request>& reqs) const {

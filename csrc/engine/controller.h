@@ -68,19 +68,38 @@ struct TableCounts {
           coordinator_table = 0;
 };
 
+// What this rank tells its peers in a negotiation besides its requests.
+struct LocalState {
+  bool want_shutdown = false;
+  // A thread of this rank waits on a handle, and this rank has submitted and completed
+  // nothing for the deadlock time: it can only go on if a peer does.
+  bool stuck = false;
+  bool pending = false;  // this rank has tensors in flight (in any process set)
+};
+
 struct NegotiationResult {
   std::vector<ResponsePtr> responses;
   bool shutdown = false;
+  bool deadlock = false;  // the shutdown is a certain deadlock; shutdown_reason names it
   std::string shutdown_reason;
   std::string stall_report;  // coordinator only: "rank: [names]" lines, when ranks stall
+  // Agreed by every rank: something was submitted or completed, or nothing is in flight
+  // anywhere.  The engine slows its cycle down while this stays false (engine.cpp).
+  bool progress = false;
 };
+
+// A rank's pending tensors in a stall or deadlock report: (name, library helper or "").
+using PendingNames = std::vector<std::pair<std::string, std::string>>;
 
 class Controller {
  public:
+  // deadlock_s > 0: when every rank is stuck (LocalState) and some tensor is in flight,
+  // the negotiation ends the job with a report of what each rank waits for.
   Controller(Transport* transport, NegotiationTypes types, TransportHandle comm, int rank, int size, int cache_capacity,
-             double stall_check_s, double stall_shutdown_s);
+             double stall_check_s, double stall_shutdown_s, double deadlock_s = 0.0);
 
-  NegotiationResult negotiate(std::vector<Request> new_requests, bool want_shutdown, double now);
+  NegotiationResult negotiate(std::vector<Request> new_requests, const LocalState& local,
+                              double now);
   // Response cache on/off from the next negotiation on (autotune, at a step boundary).
   void set_cache_active(bool on);
   void record_executed(const ResponsePtr& resp, const std::optional<Signature>& sig);
@@ -93,12 +112,14 @@ class Controller {
   Writer uncached_piece(bool with_report) const;
   double oldest_age(double now) const;
   bool stall_due(double now);
+  // With `deadlock`, the coordinator's deadlock report travels with the responses and
+  // lands there on every rank.
   std::vector<ResponsePtr> coordinate(bool with_report, std::string* stall_report,
-                                      const Writer* sized, int64_t width);
+                                      std::string* deadlock, const Writer* sized, int64_t width);
   std::vector<ResponsePtr> plan(const std::vector<std::vector<Request>>& requests,
-                                const std::vector<std::optional<std::vector<std::string>>>& reports,
+                                const std::vector<std::optional<PendingNames>>& reports,
                                 std::string* stall_report);
-  std::string report_stall(const std::vector<std::optional<std::vector<std::string>>>& reports) const;
+  std::string report_stall(const std::vector<std::optional<PendingNames>>& reports) const;
   Response construct(const std::string& name, const std::map<int, Request>& reqs) const;
 
   Transport* transport_;
@@ -106,10 +127,11 @@ class Controller {
   TransportHandle comm_;
   int rank_, size_, words_;
   ResponseCache cache_;
-  double stall_check_s_, stall_shutdown_s_;
+  double stall_check_s_, stall_shutdown_s_, deadlock_s_;
   std::map<int, Request> cached_pending_;        // bit -> request waiting on other ranks
   std::vector<Request> to_send_;                 // requests for the coordinator
   std::map<std::string, double> submitted_at_;   // name -> when this rank submitted it
+  std::map<std::string, std::string> origin_of_; // name -> library helper that submitted it
   double last_stall_report_;
   bool joined_ = false;
   // Coordinator state (rank 0 of the set): pending requests by name, in arrival order.
@@ -118,6 +140,15 @@ class Controller {
   std::set<int> joined_ranks_;
   int last_joined_ = -1;
 };
+
+// The error that ends a certain deadlock: what each rank waits for (reports[r], empty for
+// a rank with nothing pending in this set) and the likely cause; `seconds` without progress.
+std::string deadlock_message(const std::vector<std::optional<PendingNames>>& reports,
+                             double seconds);
+// For each library helper among the reports' names, `before` and one sentence saying that
+// it is a collective, what it submitted and on which ranks ("" when none has a helper).
+std::string origins_note(const std::vector<std::optional<PendingNames>>& reports,
+                         const std::string& before);
 
 // Python's repr() of a float ("1.0", "0.5", "1e-05"), the form the API's messages print.
 std::string python_float_repr(double x);

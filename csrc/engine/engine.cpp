@@ -43,6 +43,15 @@ UserFunction half_op_for(int op) {
 // MPI counts are ints: longer buffers go in slices of this many elements.
 constexpr int64_t kMaxCount = INT_MAX / 2;
 
+// The cycle slows down once the global set has made no progress for kQuietBeforeBackoff
+// seconds: the pause grows to 1/kBackoffDivisor of the quiet time, at most kLongestPause.
+// A peer's late submission then waits at most that long for this rank's next negotiation
+// (5% of what it already waited), and a wait that lasts costs next to no CPU: MPICH polls
+// inside a collective, so a rank that cycles every millisecond keeps a core busy.
+constexpr double kQuietBeforeBackoff = 0.1, kBackoffDivisor = 20, kLongestPause = 0.05;
+
+thread_local std::string t_call_origin;
+
 }  // namespace
 
 Engine::Engine(EngineConfig config, Lane lane, std::unique_ptr<Transport> transport)
@@ -63,9 +72,11 @@ void Engine::add_set(int set_id, TransportHandle comm, int rank, int size, bool 
   state->size = size;
   state->comm = comm;
   state->flat = flat;
+  // Only the global set, which every rank negotiates every cycle, decides on a deadlock: a
+  // subset whose members all wait may be waiting for a rank outside it that still works.
   state->controller = std::make_unique<Controller>(
       transport_.get(), config_.types, comm, rank, size, config_.cache_capacity, config_.stall_check_s,
-      config_.stall_shutdown_s);
+      config_.stall_shutdown_s, set_id == 0 ? config_.deadlock_s : 0.0);
   state->counts = state->controller->counts();
   std::lock_guard<std::mutex> lock(mu_);
   sets_[set_id] = std::move(state);
@@ -129,17 +140,21 @@ void Engine::run() {
       cycle_started_ = started;
       if (timeline_on) events_.push_back({"", "", started});
       std::string why;
-      bool stop_now = cycle(&why);
+      bool deadlock = false;
+      bool stop_now = cycle(&why, &deadlock);
       flush_timeline();
       if (stop_now) {
-        if (!why.empty()) reason = config_.shut_down + " (" + why + ")";
+        // A deadlock's report is the error itself: not a consequence of another failure.
+        if (deadlock) reason = why;
+        else if (!why.empty()) reason = config_.shut_down + " (" + why + ")";
         break;
       }
       // Collectives match by order, not time: an idle rank may park for several cycles, and
       // a peer with work waits in its next negotiation until this rank's park ends or a
       // thread here waits on a handle (the moment this rank's own requests matter).
       lock.lock();
-      double pause = cycle_time_s.load();
+      double pause = pause_after_cycle();
+      backing_off_ = pause > cycle_time_s.load();
       bool idle = !has_local_work_locked();
       // A waiter whose handle this cycle completed needs no early cycle: starting one would
       // negotiate nothing, a round trip every peer must join (over Gloo a Python call and a
@@ -147,12 +162,16 @@ void Engine::run() {
       if (idle) waiter_blocked_ = false;
       parked_ = config_.idle_park_s > pause && idle;
       if (parked_) pause = config_.idle_park_s;
-      double remaining = pause - (monotonic_now() - started);
+      // A backed-off pause counts from the end of the cycle, not its start: the cycle's
+      // negotiation just synchronized the ranks, so they all wake together.  Counted from
+      // the start, a rank that once arrived early (and polled in the collective until its
+      // peers came) would stay early by as much, and poll as long, every cycle.
+      double remaining = backing_off_ ? pause : pause - (monotonic_now() - started);
       if (remaining > 0 && !shutdown_requested_) {
         wake_cv_.wait_for(lock, std::chrono::duration<double>(remaining),
                           [this] { return shutdown_requested_.load() || waiter_blocked_; });
       }
-      waiter_blocked_ = parked_ = false;
+      waiter_blocked_ = parked_ = backing_off_ = false;
       lock.unlock();
     }
   } catch (const std::exception& exc) {
@@ -179,6 +198,29 @@ bool Engine::has_local_work_locked() const {
   return false;
 }
 
+void Engine::begin_wait_locked() {
+  if (waiters_++ == 0) waiting_since_ = monotonic_now();
+}
+
+bool Engine::stuck_locked(double now) const {
+  return config_.deadlock_s > 0 && waiters_ > 0 &&
+         now - std::max(waiting_since_, last_activity_) >= config_.deadlock_s;
+}
+
+double Engine::pause_after_cycle() const {
+  // quiet_since_ moves when the global set's negotiation, which every rank takes part in,
+  // agrees on progress: so every rank pauses alike, and none waits in a collective, polling,
+  // for a peer that pauses longer.
+  const double base = cycle_time_s.load();
+  const double quiet = monotonic_now() - quiet_since_;
+  if (quiet < kQuietBeforeBackoff) return base;
+  return std::max(base, std::min(kLongestPause, quiet / kBackoffDivisor));
+}
+
+void Engine::set_call_origin(std::string origin) { t_call_origin = std::move(origin); }
+
+const std::string& Engine::call_origin() { return t_call_origin; }
+
 void Engine::wake_for_waiter_locked() const {
   // The cycle's pause (or an idle park) exists to let more tensors join a batch; a caller
   // blocked on a handle submits none, so start the next cycle now.
@@ -186,7 +228,7 @@ void Engine::wake_for_waiter_locked() const {
   wake_cv_.notify_one();
 }
 
-bool Engine::cycle(std::string* why) {
+bool Engine::cycle(std::string* why, bool* deadlock) {
   std::vector<std::shared_ptr<SetState>> sets;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -199,20 +241,26 @@ bool Engine::cycle(std::string* why) {
       if (!sets_.count(set->id)) continue;  // removed by an earlier set's response
       fresh.swap(set->queue);
     }
-    bool want = set->id == 0 && shutdown_requested_;
+    LocalState local;
     if (set->id == 0) {
+      local.want_shutdown = shutdown_requested_;
       int sw = cache_switch.exchange(-1);
       if (sw >= 0) set->controller->set_cache_active(sw != 0);
+      std::lock_guard<std::mutex> lock(mu_);
+      local.stuck = stuck_locked(monotonic_now());
+      local.pending = has_local_work_locked();
     }
-    auto result = set->controller->negotiate(std::move(fresh), want, monotonic_now());
+    auto result = set->controller->negotiate(std::move(fresh), local, monotonic_now());
     if (!result.stall_report.empty()) {
       std::string msg = lane_("stall", set->id, &result.stall_report);
       if (!msg.empty()) throw std::runtime_error(msg);
     }
     if (result.shutdown) {
       *why = shutdown_requested_ ? "" : result.shutdown_reason;
+      *deadlock = result.deadlock && !shutdown_requested_;
       return true;
     }
+    if (set->id == 0 && (result.progress || quiet_since_ == 0)) quiet_since_ = monotonic_now();
     {
       // Before anything completes: a waiter that reads counts() then sees this cycle's.
       auto counts = set->controller->counts();
@@ -279,6 +327,12 @@ std::vector<int64_t> Engine::enqueue(int set_id, std::vector<Request> requests,
                        " is not registered on this rank (it was removed, or this rank is not a "
                        "member).");
     SetState& set = *it->second;
+    const std::string& origin = t_call_origin;
+    if (!origin.empty())
+      for (auto& r : requests) r.origin = origin;
+    last_activity_ = monotonic_now();
+    // A backed-off cycle would hold this rank's new work for up to its longer pause.
+    if (backing_off_) wake_for_waiter_locked();
     for (size_t i = 0; i < entries.size(); ++i) {
       const std::string& name = entries[i].name;
       bool repeated = set.entries.count(name) > 0;
@@ -311,7 +365,7 @@ void Engine::complete_locked(int64_t handle, const std::string* error, bool has_
   h.has_result = has_result;
   h.result = result;
   h.event = event;
-  h.done_at = monotonic_now();
+  h.done_at = last_activity_ = monotonic_now();
   h.done = true;
 }
 
@@ -387,17 +441,21 @@ WaitResult Engine::wait(int64_t handle, bool forget) {
     out.unknown = true;
     return out;
   }
-  if (!it->second.done) wake_for_waiter_locked();
-  while (!it->second.done) {
-    done_cv_.wait_for(lock, std::chrono::milliseconds(500));
-    it = handles_.find(handle);
-    if (it == handles_.end()) {  // cleared by another waiter
+  if (!it->second.done) {
+    wake_for_waiter_locked();
+    begin_wait_locked();
+    while (!it->second.done) {
+      done_cv_.wait_for(lock, std::chrono::milliseconds(500));
+      it = handles_.find(handle);
+      // Cleared by another waiter; or the engine stopped, which failed every entry it held
+      // (this only guards against a handle that lost its entry some other way).
+      if (it == handles_.end() || stopped_) break;
+    }
+    end_wait_locked();
+    if (it == handles_.end()) {
       out.unknown = true;
       return out;
     }
-    // A stopped engine has failed every entry it held; this only guards against a handle
-    // that lost its entry some other way.
-    if (!it->second.done && stopped_) break;
   }
   const Handle& h = it->second;
   out.done = h.done;
@@ -437,20 +495,24 @@ std::vector<int64_t> Engine::wait_any(const std::vector<int64_t>& handles, doubl
     if (!handles_.count(h)) throw std::out_of_range(std::to_string(h));
   if (handles.empty()) return {};
   double deadline = timeout_s >= 0 ? monotonic_now() + timeout_s : -1;
+  bool counted = false;  // as a waiter, for the deadlock check
   while (true) {
     std::vector<int64_t> done;
     for (int64_t h : handles) {
       auto it = handles_.find(h);
       if (it != handles_.end() && it->second.done) done.push_back(h);
     }
-    if (!done.empty()) return done;
-    if (parked_) wake_for_waiter_locked();
-    if (stopped_) throw EngineStopped(fatal_.empty() ? config_.shut_down : fatal_);
     double wait_s = 0.5;
-    if (deadline >= 0) {
-      wait_s = std::min(wait_s, deadline - monotonic_now());
-      if (wait_s <= 0) return {};
+    if (deadline >= 0) wait_s = std::min(wait_s, deadline - monotonic_now());
+    if (!done.empty() || stopped_ || wait_s <= 0) {
+      if (counted) end_wait_locked();
+      if (!done.empty()) return done;
+      if (stopped_) throw EngineStopped(fatal_.empty() ? config_.shut_down : fatal_);
+      return {};
     }
+    if (parked_) wake_for_waiter_locked();
+    if (!counted) begin_wait_locked();
+    counted = true;
     done_cv_.wait_for(lock, std::chrono::duration<double>(wait_s));
   }
 }

@@ -37,6 +37,9 @@ struct EngineConfig {
   double cycle_time_s = 0.001;
   int cache_capacity = 1024;
   double stall_check_s = 60.0, stall_shutdown_s = 0.0;
+  // A certain deadlock (every rank waits on a handle, and none submitted or completed
+  // anything for this long) ends the job with an error on every rank; 0: off.
+  double deadlock_s = 0.0;
   // Idle cycles park for up to this long (0: never); a waiter wakes the thread.
   double idle_park_s = 0.0;
   NegotiationTypes types;
@@ -144,6 +147,10 @@ class Engine {
   // its handle done, so a resubmission under the same name never sees a duplicate.
   void finish_name(int set_id, const std::string& name, const std::string& error, int64_t event);
   void abandon(const std::string& reason);
+  // The library helper (``consolidate_state_dict``...) whose requests the calling thread is
+  // submitting, "" for none: stall and deadlock reports name it.  Per thread.
+  static void set_call_origin(std::string origin);
+  static const std::string& call_origin();
 
   int64_t handle_of(int set_id, const std::string& name) const;
   std::map<std::string, int64_t> counts() const;
@@ -186,7 +193,16 @@ class Engine {
   void run();
   bool has_local_work_locked() const;
   void wake_for_waiter_locked() const;
-  bool cycle(std::string* why);
+  // Counts a thread that blocks on a pending handle (the deadlock check's input).
+  void begin_wait_locked();
+  void end_wait_locked() { --waiters_; }
+  bool stuck_locked(double now) const;
+  // Seconds to pause after a cycle: the cycle time, longer once the global set has made no
+  // progress for a while (a wait that no peer ends should not keep a core busy).
+  double pause_after_cycle() const;
+  // One negotiation and execution per process set; true when the engine must stop, with
+  // why (and whether it is a deadlock report, the error itself).
+  bool cycle(std::string* why, bool* deadlock);
   void execute(SetState& set, const std::vector<ResponsePtr>& responses);
   bool is_lane(const SetState& set, const Response& resp) const;
   void run_lane(SetState& set, const std::vector<ResponsePtr>& batch);
@@ -223,6 +239,12 @@ class Engine {
   std::string fatal_;
   mutable bool waiter_blocked_ = false;  // a waiter found its handle pending: skip the pause
   bool parked_ = false;                  // the thread is in an idle park (under mu_)
+  bool backing_off_ = false;             // the pause is longer than the cycle (under mu_)
+  // The deadlock check's view of this rank (under mu_): threads blocked on a pending
+  // handle, since when one has been, and the last submission or completion.
+  int waiters_ = 0;
+  double waiting_since_ = 0, last_activity_ = 0;
+  double quiet_since_ = 0;  // engine thread: the global set's last progress (controller.h)
   std::atomic<double> cycle_started_{0.0};
   std::vector<char> fusion_;
   std::vector<std::vector<char>> zeros_keep_;

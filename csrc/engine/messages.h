@@ -63,6 +63,9 @@ struct Request {
   int32_t root = -1;
   OptInts splits, payload;
   int32_t device = -1;
+  // This rank only, never sent: the library helper that submitted the request
+  // (``consolidate_state_dict``, ``broadcast_object``...), named in stall and deadlock reports.
+  std::string origin;
 
   Signature signature() const {
     return Signature{op_type, dtype, shape, reduce_op, prescale, postscale, root, splits,

@@ -199,7 +199,7 @@ def test_density_one_without_masking_is_momentum_sgd(float64, name):
 
 
 def test_fused_sgd_momentum_is_taken_over_too(float64):
-    fused = pytest.importorskip("aiak_training.fused_optim")
+    import aiak_training.fused_optim as fused
     model, opt = train_dgc(lambda ps: fused.FusedSGD(ps, lr=0.1, momentum=0.9, nesterov=True,
                                                      weight_decay=1e-3),
                            steps=6, compression=exact_dgc())

@@ -4,7 +4,10 @@ Every rank builds every rank's input from a seed, so each expected result is com
 with numpy, independently of any collective.  Values are small integers (exact in float32 in
 any summation order), so flat and hierarchical results must equal the expectation exactly.
 
-argv[1]: "hier" or "flat", the path the engine must have chosen for the global set.
+argv[1]: "hier" or "flat", the path the engine must have taken for the global set.  The path
+is read from what the engine ran, not from its selection rule: "hier" when the two-level
+object it made (aiak_training.allreduce.hier_scatter.made()) ran every one of these
+collectives, "flat" when it made none.
 Prints "sharded collectives ok: rank R path P checks K" on success; any mismatch raises.
 """
 import sys
@@ -13,9 +16,7 @@ import numpy as np
 import torch
 
 import aiak_training.torch as hvd
-from aiak_training.allreduce.hier_scatter import hierarchical_applies
-from aiak_training.common.config import Config
-from aiak_training.runtime import current
+from aiak_training.allreduce import hier_scatter
 
 
 def rows_of(total_rows: int, size: int):
@@ -33,10 +34,8 @@ def main() -> None:
     want_path = sys.argv[1]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    path = "hier" if hierarchical_applies(Config.from_env(), current.topology(), True) \
-        else "flat"
-    assert path == want_path, (path, want_path)
     checks = 0
+    collectives = 0  # reduce-scatters and allgathers submitted, each non-empty
 
     # reduce-scatter: rows that divide and rows that do not; Sum, Average, scale factors.
     cases = [((8 * size, 3), np.float32, hvd.Sum, 1.0, 1.0),
@@ -64,6 +63,7 @@ def main() -> None:
         assert got.shape == expect.shape, (seed, got.shape, expect.shape)
         assert np.array_equal(got, expect), (seed, got, expect)
         checks += 1
+        collectives += 1
 
     # allgather: equal first dimensions, and a different one per rank (rank r: r + 1 rows).
     for seed, (rows, tail, dtype) in enumerate([([4] * size, (3,), np.float32),
@@ -75,6 +75,7 @@ def main() -> None:
         assert got.shape == expect.shape, (seed, got.shape, expect.shape)
         assert np.array_equal(got, expect), (seed, got, expect)
         checks += 1
+        collectives += 1
 
     # A round trip as the sharded optimizer makes it, several times (buffers are reused).
     for step in range(3):
@@ -84,6 +85,7 @@ def main() -> None:
         back = hvd.allgather(shard, name=f"trip.ag.{step}").numpy()
         assert np.array_equal(back, np.sum(grads, axis=0)), step
         checks += 1
+        collectives += 2
     # The allgather in place, as the sharded optimizer runs it: each rank sends its block
     # of the output buffer itself; the other blocks start as garbage.
     from aiak_training.torch.sharded_io import allgather_into
@@ -95,6 +97,11 @@ def main() -> None:
     assert got.data_ptr() == out.data_ptr()
     assert np.array_equal(out.numpy(), np.concatenate(blocks)), out
     checks += 1
+    collectives += 1
+    runs = [h.runs for h in hier_scatter.made()]
+    assert runs in ([], [collectives]), (runs, collectives)  # all flat, or all hierarchical
+    path = "hier" if runs else "flat"
+    assert path == want_path, (path, want_path)
     print(f"sharded collectives ok: rank {rank} path {path} checks {checks}", flush=True)
     hvd.shutdown()
 

@@ -7,8 +7,9 @@ in-place async allreduces; a grouped out-of-place allreduce, with results large 
 the output pool; allreduce_async + synchronize; an allgather; a broadcast).  Between steps
 everything this rank started is synchronized, so its tables must be back where they were: no
 open handle, no pending entry, and from the second half on exactly the counts of the middle
-step; after the final barrier, rank 0's coordinator table is empty too.  Every few
-steps a process set is added, used and removed.  Prints "soak check passed" per rank.
+step; right after init and after the final barrier, rank 0's coordinator table is empty too
+(read while no rank can submit: see check_idle_everywhere).  Every few steps a process set
+is added, used and removed.  Prints "soak check passed" per rank.
 """
 import sys
 
@@ -42,13 +43,23 @@ def check_idle(c: dict, where: str, everyone: bool = False) -> None:
     assert c["process_sets"] == 1 and c["foreign_process_sets"] == 0, (where, c)
 
 
+def check_idle_everywhere(where: str) -> None:
+    """check_idle on every rank, rank 0's coordinator table included.  That table holds the
+    requests of ranks already ahead, so it is read while every rank is held here, outside
+    the engine (an engine barrier would itself be such a request), until all have read."""
+    from mpi4py import MPI  # after aiak_training, which sets MPI's thread level up
+    assert MPI.Query_thread() == MPI.THREAD_MULTIPLE  # the engine's thread calls MPI too
+    check_idle(counts(), where, everyone=True)
+    MPI.COMM_WORLD.Barrier()
+
+
 def main() -> None:
     steps = int(sys.argv[1])
     torch.set_num_threads(1)
     hvd.init(process_sets="dynamic")
     rank = hvd.rank()
     capacity = basics.engine().config.cache_capacity
-    check_idle(counts(), "after init", everyone=True)
+    check_idle_everywhere("after init")
 
     # open_handles() counts a submitted, unsynchronized operation until it is waited for.
     h = hvd.allreduce_async(torch.ones(5), name="probe")
@@ -101,7 +112,7 @@ def main() -> None:
         elif middle is not None:
             assert c == middle, f"step {step}: {c} != step {steps // 2}: {middle}"
     hvd.barrier()
-    check_idle(counts(), "at the end", everyone=True)
+    check_idle_everywhere("at the end")
     hvd.shutdown()
     print(f"rank {rank}: soak check passed", flush=True)
 

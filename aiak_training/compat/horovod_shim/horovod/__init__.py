@@ -41,3 +41,10 @@ def run(*_args, **_kwargs):
     """horovod.run() is not provided; launch scripts with aiakrun instead."""
     raise NotImplementedError("horovod.run() is not supported by aiak-training; launch the "
                               "script with `aiakrun -np N python script.py` instead")
+
+
+# A Keras 3 error in a Horovod (Keras 2) script ends with a line on getting Keras 2.
+from aiak_training.compat import keras_hint as _keras_hint  # noqa: E402
+
+_keras_hint.install()
+del _keras_hint
