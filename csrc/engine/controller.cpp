@@ -14,7 +14,7 @@ namespace {
 
 constexpr uint64_t kShutdown = 1, kUncached = 2, kJoined = 4, kStall = 8;
 // kBusy: this rank is not stuck (LocalState); kPending: it has tensors in flight; kFresh:
-// it submitted something this cycle.  OR-ed over ranks, so "no kBusy" means all are stuck.
+// it submitted something this cycle, or another set of its moved.  OR-ed over ranks, so "no kBusy" means all are stuck.
 constexpr uint64_t kBusy = 16, kPending = 32, kFresh = 64;
 // The coordinator's first broadcast: the length of its responses and as many of their bytes
 // as fit, so that a usual round (a few control ops or new tensors) needs one broadcast.
@@ -289,7 +289,7 @@ NegotiationResult Controller::negotiate(std::vector<Request> new_requests, const
   NegotiationResult result;
   uint64_t flags = 0;
   if (local.want_shutdown) flags |= kShutdown;
-  if (fresh) flags |= kFresh;
+  if (fresh || local.moved) flags |= kFresh;
   if (!local.stuck) flags |= kBusy;
   if (local.pending) flags |= kPending;
   if (!to_send_.empty()) flags |= kUncached;

@@ -75,6 +75,9 @@ struct LocalState {
   // nothing for the deadlock time: it can only go on if a peer does.
   bool stuck = false;
   bool pending = false;  // this rank has tensors in flight (in any process set)
+  // Another process set of this rank moved since the last cycle (new requests or
+  // responses): progress, though not the global set's own.
+  bool moved = false;
 };
 
 struct NegotiationResult {

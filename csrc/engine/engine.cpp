@@ -249,6 +249,11 @@ bool Engine::cycle(std::string* why, bool* deadlock) {
       std::lock_guard<std::mutex> lock(mu_);
       local.stuck = stuck_locked(monotonic_now());
       local.pending = has_local_work_locked();
+      // Work of other sets counts as progress, so that their members do not slow down (and
+      // every rank of the global set still agrees on it through the negotiation).
+      local.moved = moved_elsewhere_;
+      for (const auto& kv : sets_) local.moved |= kv.first != 0 && !kv.second->queue.empty();
+      moved_elsewhere_ = false;
     }
     auto result = set->controller->negotiate(std::move(fresh), local, monotonic_now());
     if (!result.stall_report.empty()) {
@@ -261,6 +266,7 @@ bool Engine::cycle(std::string* why, bool* deadlock) {
       return true;
     }
     if (set->id == 0 && (result.progress || quiet_since_ == 0)) quiet_since_ = monotonic_now();
+    if (set->id != 0 && !result.responses.empty()) moved_elsewhere_ = true;
     {
       // Before anything completes: a waiter that reads counts() then sees this cycle's.
       auto counts = set->controller->counts();

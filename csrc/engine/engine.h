@@ -245,6 +245,7 @@ class Engine {
   int waiters_ = 0;
   double waiting_since_ = 0, last_activity_ = 0;
   double quiet_since_ = 0;  // engine thread: the global set's last progress (controller.h)
+  bool moved_elsewhere_ = false;  // engine thread: a non-global set had responses
   std::atomic<double> cycle_started_{0.0};
   std::vector<char> fusion_;
   std::vector<std::vector<char>> zeros_keep_;
