@@ -49,7 +49,7 @@ def _note_arrival_before_mpi_init() -> None:
         return
     import mpi4py
     if mpi4py.rc.initialize:  # MPI mode: MPI_Init is where the ranks meet
-        from aiak_training.common.exit_guard import note_arrival
+        from aiak_training.common.job.exit_guard import note_arrival
         note_arrival("MPI_Init")
 
 

@@ -20,10 +20,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from typing import Dict, List
+
+from bench_common import run_json_job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,13 +32,7 @@ def run_once(checkout: str, command: List[str], out_dir: str, tag: str) -> Dict:
     path = os.path.join(out_dir, f"{tag}.json")
     cmd = [part.replace("{json}", path) for part in command]
     env = dict(os.environ, PYTHONPATH=checkout)
-    proc = subprocess.run(cmd, cwd=checkout, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0 or not os.path.exists(path):
-        sys.stdout.write(proc.stdout[-4000:])
-        raise SystemExit(f"{tag}: the benchmark failed (exit {proc.returncode})")
-    with open(path) as f:
-        return json.load(f)
+    return run_json_job([cmd], path, f"{tag}: the benchmark", env=env, cwd=checkout)
 
 
 def paired(values: Dict[str, Dict[str, List[float]]]) -> Dict[str, Dict]:

@@ -116,21 +116,18 @@ def _run(cluster, argv: List[str], env: Dict[str, str], timeout: float) -> str:
 
 def bench_layout(args, layout: str, tmp: str) -> Tuple[List[Dict], Dict[str, float], Dict]:
     from aiak_training.testing.cluster import EmulatedCluster
-    from bench_common import machine_info, summarize
+    from bench_common import child_env, machine_info, read_json, summarize
     nodes, rpn, rate = _layout(layout)
     key = f"{nodes}x{rpn}_{rate:g}gbit"
     n = nodes * rpn
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = child_env(REPO)
     algos = ["flat"] + (["hier_staged", "hier_pipelined"] if nodes > 1 and rpn > 1 else [])
     with EmulatedCluster(nodes=nodes, ranks_per_node=rpn, rate_gbit=rate) as cluster:
         pred_path = os.path.join(tmp, f"{key}_advise.json")
         table = _run(cluster, ["aiakrun", "--advise", "-np", str(n), sys.executable, ME,
                                "--worker"], {**env, "AIAK_ADVISE_JSON": pred_path}, 300)
         print(table, flush=True)
-        with open(pred_path) as f:
-            pred = json.load(f)
+        pred = read_json(pred_path)
         measured: Dict[str, List[float]] = {}
         for rnd in range(args.rounds):
             for algo in algos:
@@ -138,9 +135,8 @@ def bench_layout(args, layout: str, tmp: str) -> Tuple[List[Dict], Dict[str, flo
                 _run(cluster, ["aiakrun", "-np", str(n), "--allreduce-algo", algo,
                                sys.executable, ME, "--worker", "--measure", out, "--algo", algo,
                                "--reps", str(args.reps), "--steps", str(args.steps)], env, 600)
-                with open(out) as f:
-                    for name, s in json.load(f).items():
-                        measured.setdefault(name, []).extend(s)
+                for name, s in read_json(out).items():
+                    measured.setdefault(name, []).extend(s)
         machine = machine_info(ranks=n, layout=f"{nodes}x{rpn}",
                                link_gbit=cluster.measured_gbit or rate)
     predicted = {r["name"]: r["step_s"] for r in pred["rows"] if r["lossless"]}

@@ -5,10 +5,6 @@ Run with an MPI launcher, e.g.::
     aiakrun -np 2 python benchmarks/allreduce_bench.py --json out.json
     mpiexec -n 2 python benchmarks/allreduce_bench.py --json out.json
 
-Gloo mode (--gloo, run without a launcher: it launches 2-rank Gloo jobs of this checkout and
-of --baseline's Python engine in turn; see run_gloo_latency) gives
-gloo_small_async_native_vs_python, target >= 1.2.
-
 Ratios (above 1 means aiak-training is better):
 
   fused_vs_raw_mpi          time of one raw mpi4py Allreduce of the same total bytes, divided
@@ -154,16 +150,6 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON (rank 0)")
-    p.add_argument("--gloo", action="store_true",
-                   help="Gloo mode (run without a launcher): 200 small allreduce_async on 2 "
-                        "ranks, this checkout against --baseline's Python engine (see "
-                        "run_gloo_latency)")
-    p.add_argument("--baseline", metavar="PATH",
-                   help="Gloo mode: the checkout to compare with (built in place)")
-    p.add_argument("--gloo-rounds", type=int, default=12,
-                   help="Gloo mode: jobs launched per side (each times --reps bodies)")
-    p.add_argument("--gloo-worker", metavar="OUT", help=argparse.SUPPRESS)
-    p.add_argument("--expect-engine", help=argparse.SUPPRESS)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-gloo", action="store_true", help="skip the torch.distributed baseline")
@@ -191,12 +177,6 @@ def main():
         return
     if args.device == "cuda":
         run_cuda(args)
-        return
-    if args.gloo_worker:
-        gloo_worker(args)
-        return
-    if args.gloo:
-        run_gloo_latency(args)
         return
     from aiak_training.runtime import current  # here: the Gloo worker must not need it
     hvd.init()
@@ -391,110 +371,6 @@ def main():
               "for these four, lower is better)")
     if not args.no_gloo:
         dist.destroy_process_group()
-    hvd.shutdown()
-
-
-def run_gloo_latency(args) -> None:
-    """Gloo small-tensor latency: 200 fp32 tensors of 1,024 elements submitted with
-    hvd.allreduce_async, then synchronized, over a 2-rank Gloo world; this checkout's engine
-    against the Python engine of a baseline checkout (``--baseline``, e.g. an export of the
-    commit before the Python engine was deleted), measured in the same run::
-
-        python benchmarks/allreduce_bench.py --gloo --baseline /tmp/base --json out.json
-
-    This driver runs without a launcher.  Each of ``--gloo-rounds`` rounds (plus one untimed
-    warm-up round) launches two jobs one after the other, baseline then this checkout, each
-    ``aiakrun --gloo -np 2`` of this script in worker mode: the baseline's with
-    ``PYTHONPATH=<baseline>`` and ``AIAK_ENGINE=python``, so that its own package, launcher
-    and engine run.  Only one job runs at a time.  A worker warms up (``--warmup`` bodies:
-    negotiation, response cache, fusion buffer), times ``--reps`` bodies and writes rank 0's
-    samples.  Short jobs on purpose: on the shared 2-core VM bodies jumped from about 4 ms to
-    about 40 ms after 10 to 20 bodies in one world, whichever engine.  A sample is rank 0's
-    time from the end of an hvd.barrier() to its last synchronize (which returns only once
-    every rank contributed).  Ratio ``gloo_small_async_native_vs_python``: the baseline's
-    median divided by this checkout's (above 1: this checkout faster).
-    """
-    import json
-    import tempfile
-
-    if os.environ.get("HOROVOD_RANK") is not None:
-        raise SystemExit("--gloo is the driver: run it without a launcher (it launches the "
-                         "2-rank jobs itself)")
-    if not args.baseline:
-        raise SystemExit("--gloo needs --baseline PATH: a checkout of the code to compare "
-                         "with, built in place (python3 setup.py build_ext --inplace)")
-    baseline = os.path.abspath(args.baseline)
-    if not os.path.isfile(os.path.join(baseline, "aiak_training", "__init__.py")):
-        raise SystemExit(f"--baseline {baseline}: no aiak_training package there")
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sides = {
-        # PYTHONPATH first on sys.path: the baseline's package (and its launcher) win over
-        # the editable install of this checkout.
-        "python": dict(os.environ, PYTHONPATH=baseline, AIAK_ENGINE="python"),
-        "native": dict(os.environ, PYTHONPATH=here),
-    }
-    sides["native"].pop("AIAK_ENGINE", None)
-    times = {kind: [] for kind in sides}
-    with tempfile.TemporaryDirectory() as tmp:
-        for round_no in range(args.gloo_rounds + 1):  # round 0 warms the caches and is dropped
-            for kind, env in sides.items():
-                out = os.path.join(tmp, f"{kind}{round_no}.json")
-                cmd = [sys.executable, "-m", "aiak_training.runner.launch", "--gloo", "-np", "2",
-                       sys.executable, os.path.abspath(__file__), "--gloo-worker", out,
-                       "--reps", str(args.reps), "--warmup", str(args.warmup)]
-                if kind == "python":
-                    cmd += ["--expect-engine", "python"]
-                done = subprocess.run(cmd, env=env, cwd=here, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, timeout=600)
-                if done.returncode != 0:
-                    raise SystemExit(f"the {kind} job failed ({done.returncode}):\n"
-                                     f"{done.stdout[-4000:]}")
-                with open(out) as f:
-                    samples = json.load(f)["samples"]
-                if round_no:
-                    times[kind] += samples
-                print(f"# round {round_no} {kind}: median "
-                      f"{float(np.median(samples)) * 1e3:.3f} ms", flush=True)
-    params = {"tensors": 200, "elements": 1024, "dtype": "float32", "transport": "gloo"}
-    results = [summarize(f"gloo_small200_{kind}_engine",
-                         dict(params, engine=kind,
-                              checkout=baseline if kind == "python" else here), t)
-               for kind, t in times.items()]
-    med = {kind: float(np.median(t)) for kind, t in times.items()}
-    ratios = {"gloo_small_async_native_vs_python": med["python"] / med["native"]}
-    machine = machine_info(2, args.layout)
-    machine["load_1min"] = os.getloadavg()[0]
-    report("allreduce_gloo_small", machine, results, ratios, args.json)
-
-
-def gloo_worker(args) -> None:
-    """One job of :func:`run_gloo_latency`: ``--warmup`` then ``--reps`` bodies; rank 0
-    writes its samples to ``args.gloo_worker``.  Uses only the frontend's API, which the
-    baseline checkout has too."""
-    import json
-
-    hvd.init()
-    if args.expect_engine:
-        from aiak_training.runtime import current
-        kind = getattr(current.engine(), "kind", "python")
-        if kind != args.expect_engine:
-            raise SystemExit(f"expected the {args.expect_engine} engine, got {kind}")
-    small = [torch.randn(1024) for _ in range(200)]
-
-    def sample() -> float:
-        hvd.barrier()
-        start = time.perf_counter()
-        hs = [hvd.allreduce_async(t, name=f"small.{i}") for i, t in enumerate(small)]
-        for h in hs:
-            hvd.synchronize(h)
-        return time.perf_counter() - start
-
-    for _ in range(args.warmup):
-        sample()
-    samples = [sample() for _ in range(args.reps)]
-    if hvd.rank() == 0:
-        with open(args.gloo_worker, "w") as f:
-            json.dump({"samples": samples}, f)
     hvd.shutdown()
 
 

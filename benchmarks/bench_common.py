@@ -1,14 +1,101 @@
-"""Shared pieces of the benchmarks: machine header, interleaved timing, JSON output.
+"""The benchmarks' harness: machine header, model shapes, interleaved timing, JSON output,
+and launching the child jobs a driver script runs (:func:`mpiexec`, :func:`child_env`,
+:func:`run_jobs`, :func:`run_json_job`).
 
 Conventions: docs/benchmarks/index.md.  A and B are timed in the same launch, alternating,
-after warm-up; the median of the timed repetitions is reported.
+after warm-up; the median of the timed repetitions is reported.  Benchmarks import this
+module, never ``tests/``.
 """
 import json
 import os
 import platform
+import shutil
 import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+
+def mpiexec() -> str:
+    """The MPI launcher: the one installed beside this Python (``pip install mpich``), else
+    the first on ``PATH``."""
+    for candidate in (os.path.join(sysconfig.get_path("scripts"), "mpiexec"),
+                      shutil.which("mpiexec")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    raise RuntimeError("mpiexec not found: install an MPI (pip install mpich)")
+
+
+def run_jobs(cmds: Sequence[Sequence[str]], what: str, timeout: Optional[float] = None,
+             env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
+             stream: bool = False, check: bool = True) -> int:
+    """Start ``cmds`` together (the processes of one job: one command, or one per rank) and
+    wait for all of them, for at most ``timeout`` seconds in all; returns the first nonzero
+    exit status, or 0 (-9 for a process killed at the timeout).
+
+    Their output goes to a log; when one fails or time runs out, the others are killed, the
+    log's end is shown and the benchmark stops (``SystemExit`` naming ``what``).  With
+    ``stream`` the output goes to the terminal instead, each command echoed first, and a
+    failure exits with the failed process's status.  With ``check`` False a failure is only
+    returned (for jobs whose failure is what is measured)."""
+    with tempfile.TemporaryFile("w+") as log:
+        out = None if stream else log
+        procs = []
+        for cmd in cmds:
+            if stream:
+                print("+ " + " ".join(cmd), flush=True)
+            procs.append(subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=out,
+                                          stderr=None if stream else subprocess.STDOUT))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        status = 0
+        try:
+            for proc in procs:
+                left = None if deadline is None else max(1.0, deadline - time.monotonic())
+                try:
+                    rc = proc.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    rc = -9
+                status = status or rc
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        if status == 0 or not check:
+            return status
+        if stream:
+            raise SystemExit(status)
+        log.seek(0)
+        sys.stderr.write(log.read()[-8000:])
+        raise SystemExit(f"{what} failed (exit {status})")
+
+
+def read_json(path: str) -> Any:
+    """The JSON a child job wrote to ``path``."""
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_json_job(cmds: Sequence[Sequence[str]], out: str, what: str,
+                 timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
+                 cwd: Optional[str] = None, stream: bool = False) -> Any:
+    """:func:`run_jobs`, then the JSON the job wrote to ``out``."""
+    run_jobs(cmds, what, timeout=timeout, env=env, cwd=cwd, stream=stream)
+    return read_json(out)
+
+
+def child_env(*paths: str, **extra: str) -> Dict[str, str]:
+    """This process's environment for a child job: ``paths`` (the checkout, say) first on
+    ``PYTHONPATH``, one OpenMP thread unless set, and ``extra`` on top."""
+    env = dict(os.environ)
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(list(paths) + [env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra)
+    return env
 
 
 def cpu_model() -> str:

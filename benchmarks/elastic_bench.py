@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
 
 import elastic_exact  # noqa: E402
-from bench_common import machine_info  # noqa: E402
+from bench_common import machine_info, read_json  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tests", "scripts", "elastic_exact.py")
 
@@ -112,8 +112,7 @@ def one_run(cluster, work):
     steps = _steps(steps_log)
     grow = min(t for t, s, _ in steps if s == 3) - listed
     recovery = min(t for t, s, _ in steps if s == 2 and t > killed) - killed
-    with open(out) as f:
-        final = json.load(f)
+    final = read_json(out)
     history = [(e, size, [list(p) for p in parts]) for e, size, parts in final["history"]]
     sizes = [h[1] for h in history]
     first3 = sizes.index(3)

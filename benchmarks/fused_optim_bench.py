@@ -63,7 +63,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -73,6 +72,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import aiak_training.fused_optim as fo  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import machine_info as _machine_info, resnet50_shapes  # noqa: E402
 
 RATIO_HELP = """\
 ratios (a value above 1 means aiak is better; keys without a suffix are from the resnet50
@@ -159,28 +161,6 @@ SGD_BYTES = 20   # fp32 momentum SGD: read p, g, buf; write p, buf
 
 
 # ---------------------------------------------------------------------------- parameter sets
-def resnet50_shapes() -> List[Tuple[int, ...]]:
-    """Parameter shapes of torchvision.models.resnet50(), in module order."""
-    shapes: List[Tuple[int, ...]] = []
-
-    def conv_bn(cin: int, cout: int, k: int) -> None:
-        shapes.append((cout, cin, k, k))
-        shapes.extend([(cout,), (cout,)])
-
-    conv_bn(3, 64, 7)
-    cin = 64
-    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for b in range(blocks):
-            conv_bn(cin, width, 1)
-            conv_bn(width, width, 3)
-            conv_bn(width, width * 4, 1)
-            if b == 0:
-                conv_bn(cin, width * 4, 1)  # downsample
-            cin = width * 4
-    shapes.extend([(1000, 2048), (1000,)])
-    return shapes
-
-
 def gpt_shapes(hidden: int, layers: int = 20, vocab: int = 32000) -> List[Tuple[int, ...]]:
     h = hidden
     shapes: List[Tuple[int, ...]] = [(vocab, h)]
@@ -200,28 +180,6 @@ def large_shapes(target: int) -> List[Tuple[int, ...]]:
 
 
 # ---------------------------------------------------------------------------------- timing
-def machine_info(device: str) -> Dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mpi = None
-    try:
-        from mpi4py import MPI
-        mpi = MPI.Get_library_version().splitlines()[0].strip()
-    except Exception:
-        pass
-    gpu = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else None
-    return {"cores": os.cpu_count(), "cpu": cpu, "gpu": gpu, "mpi": mpi,
-            "torch": torch.__version__.split("+")[0], "ranks": 1, "layout": "1x1",
-            "link_gbit": None}
-
-
 class Variant:
     def __init__(self, name: str, fn: Callable[[], None], bytes_moved: int, params: Dict):
         self.name, self.fn, self.bytes_moved, self.params = name, fn, bytes_moved, params
@@ -439,7 +397,9 @@ def main() -> int:
         if args.device != "cpu":
             ap.error("--cases cuda_stub runs on CPU tensors only (no --device cuda)")
         selected = [c for c in selected if c != "cuda_stub"] + ["cuda_stub"]
-    machine = machine_info(args.device)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() \
+        else None
+    machine = dict(_machine_info(1, gpu=gpu), torch=torch.__version__.split("+")[0])
     results, by_key = [], {}
     for case in selected:
         for v in run_case(case, cases[case], args):

@@ -122,7 +122,7 @@ if [ "$RUN_BUILD" = 1 ]; then
     step build 240 env AIAK_CUDA_ARCHS="${AIAK_CUDA_ARCHS:-90}" AIAK_BUILD_JOBS="$(nproc)" \
         "$PY" setup.py -q build_ext --inplace
     step check_build 30 "$PY" -c "
-from aiak_training.runner.check_build import check_build_text
+from aiak_training.runner.cli.check_build import check_build_text
 from aiak_training.common.gpu import kernels
 print(check_build_text())
 assert kernels.library() is not None, 'CUDA kernel library: ' + str(kernels.error())"

@@ -39,7 +39,6 @@ Ratios (above 1 means aiak-training is better):
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -218,13 +217,12 @@ def run_rank(args) -> None:
 # ---- launcher ---------------------------------------------------------------------------------
 def launch(args) -> int:
     """Run the local and/or emulated configurations and merge their JSON."""
+    from bench_common import child_env, run_json_job
     me = os.path.abspath(__file__)
     passthrough = ["--reps", str(args.reps), "--warmup", str(args.warmup), "--width",
                    str(args.width), "--depth", str(args.depth), "--batch", str(args.batch),
                    "--optimizer", args.optimizer]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = child_env(REPO)
     merged = None
     tmp = tempfile.mkdtemp(prefix="overlap_bench.")
     configs = ["emulated", "local"] if args.launch == "all" else [args.launch]
@@ -238,12 +236,7 @@ def launch(args) -> int:
                               "--json", out] + passthrough)
             cmd = [sys.executable, "-m", "aiak_training.testing.cluster", "--nodes", "2",
                    "--ranks-per-node", "2", "--rate", args.rate, "--", "sh", "-c", inner]
-        print("+ " + " ".join(cmd), flush=True)
-        rc = subprocess.call(cmd, env=env, cwd=REPO)
-        if rc != 0:
-            return rc
-        with open(out) as f:
-            data = json.load(f)
+        data = run_json_job([cmd], out, config, env=env, cwd=REPO, stream=True)
         if merged is None:
             merged = {"benchmark": "overlap_bench", "runs": [], "ratios": {}}
         merged["runs"].append({"config": config, **data})

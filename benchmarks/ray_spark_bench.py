@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,12 +57,11 @@ def _steps_median(result, epochs):
 
 def aiakrun_step(epochs, gloo=False):
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run(["aiakrun"] + (["--gloo"] if gloo else []) + ["-np", "2", sys.executable,
-                        os.path.join(REPO, "examples", "digits_train.py"), "--epochs",
-                        str(epochs), "--json", out.name],
-                       check=True, stdout=subprocess.DEVNULL, timeout=600)
-        with open(out.name) as f:
-            return _steps_median(json.load(f), epochs)
+        cmd = ["aiakrun"] + (["--gloo"] if gloo else []) + [
+            "-np", "2", sys.executable, os.path.join(REPO, "examples", "digits_train.py"),
+            "--epochs", str(epochs), "--json", out.name]
+        return _steps_median(bench_common.run_json_job([cmd], out.name, "the aiakrun job",
+                                                       timeout=600), epochs)
 
 
 def first_line_time():
@@ -123,19 +121,10 @@ def raw_gloo(nbytes: int, calls: int = 300) -> float:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-gloo-rank",
-                                   str(rank), str(port), str(nbytes), str(calls), out.name])
-                 for rank in (0, 1)]
-        try:
-            for proc in procs:
-                if proc.wait(timeout=300):
-                    raise RuntimeError(f"raw Gloo rank exited with code {proc.returncode}")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-        with open(out.name) as f:
-            return json.load(f)
+        return bench_common.run_json_job(
+            [[sys.executable, os.path.abspath(__file__), "--raw-gloo-rank", str(rank), str(port),
+              str(nbytes), str(calls), out.name] for rank in (0, 1)],
+            out.name, "the raw Gloo ranks", timeout=300)
 
 
 def main():

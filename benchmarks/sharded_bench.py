@@ -142,7 +142,7 @@ def main(argv=None):
     args = parse_args(argv)
     import aiak_training.torch as hvd
     from aiak_training.fused_optim import FusedAdam
-    from aiak_training.torch.sharded import GRADIENTS_ENV_VAR
+    from aiak_training.torch.optim.sharded import GRADIENTS_ENV_VAR
     hvd.init()
     n = hvd.size()
     make_inner = {"adam": torch.optim.Adam, "fused_adam": FusedAdam}[args.optimizer]

@@ -32,13 +32,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import machine_info  # noqa: E402
+from bench_common import machine_info, mpiexec, run_json_job  # noqa: E402
 
 VARIANTS = ("dense", "sharded")
 # Settings that change how much freed memory a process keeps (recorded with the figures).
@@ -101,18 +100,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def launch(variant: str, args: argparse.Namespace, out: str) -> List[Dict]:
     """Run one ``mpiexec -n ranks`` launch of ``variant``; every rank's figures."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))), "tests"))
-    from launch import mpiexec  # one place that finds the MPI launcher
     cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__),
            "--worker", variant, "--out", out, "--steps", str(args.steps),
            "--width", str(args.width), "--layers", str(args.layers)]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=900)
-    if proc.returncode != 0:
-        raise SystemExit(f"{variant} launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return run_json_job([cmd], out, f"{variant} launch", timeout=900)
 
 
 def main(argv=None) -> None:

@@ -71,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import aiak_training.torch as hvd  # noqa: E402
 from aiak_training.fused_optim import FusedAdamW  # noqa: E402
 from aiak_training.runtime import basics  # noqa: E402
-from aiak_training.torch import mpi_ops, output_pool  # noqa: E402
+from aiak_training.torch import output_pool, submission  # noqa: E402
 from bench_common import machine_info  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -139,8 +139,8 @@ def rss_after_trim() -> int:
 def table_counts() -> Dict[str, int]:
     """The runtime's counts, the frontend's handle map and the output pool, on this rank."""
     counts = dict(basics.runtime_counts())
-    counts["frontend_handle_map"] = len(mpi_ops._handle_map)
-    counts["frontend_gpu_handles"] = len(mpi_ops._gpu_handles)
+    counts["frontend_handle_map"] = len(submission._handle_map)
+    counts["frontend_gpu_handles"] = len(submission._gpu_handles)
     counts["pool_outstanding"] = output_pool.pool.outstanding
     counts["pool_cached_blocks"] = output_pool.pool.cached_blocks
     counts["pool_cached_bytes"] = output_pool.pool.cached_bytes

@@ -84,13 +84,14 @@ import math
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import mpiexec, read_json, run_jobs  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELF = os.path.abspath(__file__)
 
@@ -392,15 +393,6 @@ def worker_allreduce(args: argparse.Namespace) -> None:
 
 
 # ---- the driver -------------------------------------------------------------------------------
-def _mpiexec() -> str:
-    import shutil
-    import sysconfig
-    for c in (os.path.join(sysconfig.get_path("scripts"), "mpiexec"), shutil.which("mpiexec")):
-        if c and os.path.exists(c):
-            return c
-    raise SystemExit("mpiexec not found: install an MPI (pip install mpich)")
-
-
 def _env() -> Dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -430,37 +422,15 @@ def _worker_argv(args: argparse.Namespace, worker: str, out: str, model: str = "
 
 
 def _run(cmds: List[List[str]], timeout: float, what: str) -> None:
-    """Start ``cmds`` together and wait for all; their output goes to a log shown on failure."""
-    with tempfile.TemporaryFile("w+") as log:
-        procs = [subprocess.Popen(c, env=_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-                 for c in cmds]
-        deadline = time.monotonic() + timeout
-        failed = False
-        for p in procs:
-            try:
-                failed |= p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0
-            except subprocess.TimeoutExpired:
-                failed = True
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if failed:
-            log.seek(0)
-            sys.stderr.write(log.read()[-8000:])
-            raise SystemExit(f"tf_bench: {what} failed")
-
-
-def _read(path: str) -> Dict:
-    with open(path) as f:
-        return json.load(f)
+    """Start ``cmds`` together and wait for all (the harness's :func:`run_jobs`)."""
+    run_jobs(cmds, f"tf_bench: {what}", timeout=timeout, env=_env(), cwd=REPO)
 
 
 def launch_allreduce(args: argparse.Namespace, tmp: str) -> Tuple[List[Dict], Dict[str, float]]:
     out = os.path.join(tmp, "allreduce.json")
-    _run([[_mpiexec(), "-n", "2"] + _worker_argv(args, "allreduce", out)], args.timeout,
+    _run([[mpiexec(), "-n", "2"] + _worker_argv(args, "allreduce", out)], args.timeout,
          "the allreduce job")
-    results = _read(out)["results"]
+    results = read_json(out)["results"]
     med = {r["name"]: r["median_s"] for r in results}
     ratios = {"tf_grouped_vs_raw_mpi": med["raw_mpi_allreduce"] / med["tf_grouped_allreduce_eager"],
               "tf_grouped_vs_raw_mpi_tf_function":
@@ -477,7 +447,7 @@ FIT_VARIANTS = ("mwms", "hvd", "single")
 
 def _launch_fit_job(args: argparse.Namespace, variant: str, model: str, out: str) -> None:
     if variant == "hvd":
-        _run([[_mpiexec(), "-n", "2"] + _worker_argv(args, "hvd_fit", out, model)],
+        _run([[mpiexec(), "-n", "2"] + _worker_argv(args, "hvd_fit", out, model)],
              args.timeout, f"the aiak fit job ({model})")
     elif variant == "single":
         _run([_worker_argv(args, "single_fit", out, model)], args.timeout,
@@ -490,7 +460,7 @@ def _launch_fit_job(args: argparse.Namespace, variant: str, model: str, out: str
 
 
 def _read_processes(out: str, count: int) -> List[Dict]:
-    return [_read(f"{out}.{i}") for i in range(count)]
+    return [read_json(f"{out}.{i}") for i in range(count)]
 
 
 def launch_fit(args: argparse.Namespace, tmp: str, loads: List[float]

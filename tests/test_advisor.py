@@ -17,7 +17,7 @@ from aiak_training.advisor.model import (CONSTANTS, Cluster, Config, Link, Profi
 from aiak_training.advisor.model import allreduce_time, schedule_buckets
 from aiak_training.advisor.report import MIN_SWITCH_GAIN, cluster_from_probe, recommend
 from aiak_training.advisor.whatif import WhatIf, WhatIfError, parse_what_if
-from aiak_training.runner.advise import job_flags
+from aiak_training.runner.modes.advise import job_flags
 from launch import REPO, env_with
 
 NET = Link(bw=1e8, lat=1e-4)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from aiak_training.runner.args import parse_args
-from aiak_training.runner.env_map import flag_env
+from aiak_training.runner.cli.args import parse_args
+from aiak_training.runner.cli.env_map import flag_env
 from aiak_training.runtime.autotune.csvlog import HEADER, CsvLog
 from aiak_training.runtime.autotune.knobs import MB, Setting, fixed_knobs, search_axes
 from aiak_training.runtime.autotune.options import AutotuneOptions

@@ -1,4 +1,4 @@
-"""Tests of the emulated-cluster tool (aiak_training/testing/cluster.py).
+"""Tests of the emulated-cluster tool (aiak_training/testing/cluster/).
 
 The parsing tests run anywhere.  The cluster tests need root, iproute2 and working network
 namespaces; elsewhere they are skipped with the reason from ``can_emulate()``.  They build
@@ -17,6 +17,7 @@ import time
 import pytest
 
 from aiak_training.testing import cluster as cl
+from aiak_training.testing.cluster import namespaces as cl_ns
 from aiak_training.testing.cluster import (
     ClusterError,
     EmulatedCluster,
@@ -124,7 +125,7 @@ def test_constructor_validates() -> None:
 
 def test_requirements_reported_without_root(monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(cl.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
     ok, why = can_emulate()
     assert not ok and "root" in why
     assert cl.main(["--nodes", "2", "--", "true"]) == 2
@@ -148,7 +149,7 @@ def _require_emulation() -> None:
 
 def _leftovers(prefix: str) -> list[str]:
     """Namespaces or root-namespace links with the run's prefix, plus its lock file."""
-    found = [n for n in cl._list_netns() + cl._list_links() if n.startswith(prefix)]
+    found = [n for n in cl_ns.list_netns() + cl_ns.list_links() if n.startswith(prefix)]
     if os.path.exists(os.path.join(cl.LOCK_DIR, prefix + ".lock")):
         found.append(prefix + ".lock")
     return found
@@ -287,7 +288,7 @@ def test_cli_sigint_tears_down() -> None:
                 prefix = m.group(1)
                 break
         assert prefix, "the CLI did not report the cluster as up"
-        assert len([n for n in cl._list_netns() if n.startswith(prefix)]) == 3  # 2 nodes + switch
+        assert len([n for n in cl_ns.list_netns() if n.startswith(prefix)]) == 3  # 2 nodes + switch
         # Interrupt while the command is running in node 0, so there is a job to kill.
         while time.monotonic() < deadline and not subprocess.run(
                 ["ip", "netns", "pids", f"{prefix}n0"], capture_output=True,
@@ -305,10 +306,10 @@ def test_cli_sigint_tears_down() -> None:
 
 def test_parallel_runs_get_distinct_prefixes() -> None:
     _require_emulation()
-    a = cl._claim_prefix()
+    a = cl_ns.claim_prefix()
     try:
-        b = cl._claim_prefix()
-        cl._release_prefix(b)
+        b = cl_ns.claim_prefix()
+        cl_ns.release_prefix(b)
         assert a != b
     finally:
-        cl._release_prefix(a)
+        cl_ns.release_prefix(a)

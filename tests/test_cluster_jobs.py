@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from aiak_training.runner import cluster_jobs
+from aiak_training.runner.modes import cluster_jobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

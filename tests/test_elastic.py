@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from aiak_training.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from aiak_training.common.ranks import RankIdentity
+from aiak_training.common.job.ranks import RankIdentity
 from aiak_training.elastic import ObjectState, run_fn
 from aiak_training.elastic import run as run_module
 from aiak_training.elastic.state import HostUpdateResult
-from aiak_training.runner.args import parse_args
-from aiak_training.runner.elastic.discovery import (DiscoveryError, HostDiscoveryScript,
-                                                    parse_hosts_output)
-from aiak_training.runner.elastic.hosts import Blacklist, HostOrder, assign_ranks, plan_slots
-from aiak_training.runner.elastic.launch import elastic_requested, settings_from_args
+from aiak_training.runner.cli.args import parse_args
+from aiak_training.runner.modes.elastic.discovery import (DiscoveryError, HostDiscoveryScript,
+                                                          parse_hosts_output)
+from aiak_training.runner.modes.elastic.hosts import Blacklist, HostOrder, assign_ranks, plan_slots
+from aiak_training.runner.modes.elastic.launch import elastic_requested, settings_from_args
 
 from elastic_support import (SCRIPT, ElasticJob, check_exact, discovery_script, exact_result,
                              kill_host)

@@ -97,13 +97,17 @@ def test_failures_reach_python_as_horovod_errors():
     assert "abandon checks passed" in proc.stdout, proc.stdout[-3000:]
 
 
-def test_engine_parks_when_idle_over_gloo():
-    """AIAK_IDLE_PARK_MS in a Gloo job: idle ranks negotiate at most once per park, and a
+@pytest.mark.parametrize("transport", ["mpi", "gloo"])
+def test_engine_parks_when_idle(transport):
+    """AIAK_IDLE_PARK_MS: idle ranks negotiate at most once per park, and a submission or a
     thread waiting on a handle wakes the parked engine at once."""
     env = {"AIAK_IDLE_PARK_MS": "3000"}
-    proc = run_ranks([1], [sys.executable, "-m", "aiak_training.runner.launch", "--gloo",
-                           "-np", "2", sys.executable, "tests/scripts/idle_park.py"],
-                     env=env, timeout=120)
+    script = [sys.executable, "tests/scripts/idle_park.py"]
+    if transport == "gloo":
+        proc = run_ranks([1], [sys.executable, "-m", "aiak_training.runner.launch", "--gloo",
+                               "-np", "2", *script], env=env, timeout=120)
+    else:
+        proc = run_ranks([2], script, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert len(re.findall(r"rank \d: idle negotiations \d+, 10 allreduces", proc.stdout)) == 2, \
         proc.stdout[-4000:]

@@ -15,8 +15,8 @@ from typing import List
 
 import pytest
 
-from aiak_training.runner.hosts import ssh_failure
-from aiak_training.runner.rank_traceback import TracebackWatch
+from aiak_training.runner.cli.hosts import ssh_failure
+from aiak_training.runner.report.rank_traceback import TracebackWatch
 from launch import clean_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

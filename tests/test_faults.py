@@ -31,11 +31,13 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from aiak_training.runner.failure import read_failures
-from aiak_training.runner.supervise import LostHost, ProxyWatch
+from aiak_training.common.host import net
+from aiak_training.common.job.records import read_failures
+from aiak_training.runner.guard.supervise import LostHost, ProxyWatch
 from aiak_training.runtime import watchdog as wd
 from aiak_training.testing import cluster as cl
 from aiak_training.testing.cluster import ClusterError, EmulatedCluster, can_emulate
+from aiak_training.testing.cluster.namespaces import kill_netns_processes
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = os.path.join(REPO_ROOT, "tests", "scripts", "fault_ops.py")
@@ -205,10 +207,10 @@ def test_failure_record_is_read_by_aiakrun(tmp_path) -> None:
 
 
 def test_local_addresses_exclude_loopback() -> None:
-    for name, addr in wd.local_ipv4_addresses():
+    for name, addr in net.local_ipv4_addresses():
         assert name != "lo" and not addr.startswith("127.")
-        assert wd.interface_is_up(name) is True
-    assert wd.interface_is_up("no-such-if0") is None
+        assert net.interface_is_up(name) is True
+    assert net.interface_is_up("no-such-if0") is None
 
 
 # ------------------------------------------------------------------------------------------
@@ -279,7 +281,7 @@ def clean(cluster: EmulatedCluster):
         cluster.link_up(node)
     leftover = [p for ns in cluster.namespaces for p in _netns_pids(ns)]
     if leftover:  # report, then clean, so the next test starts clean anyway
-        cl._kill_netns_processes(cluster.namespaces)
+        kill_netns_processes(cluster.namespaces)
     assert leftover == [], leftover
 
 

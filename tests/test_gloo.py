@@ -181,7 +181,7 @@ def test_selection_and_world_from_env():
 
 
 def test_rank_identities_follow_horovod():
-    from aiak_training.runner.hosts import HostSlots, assign_slots
+    from aiak_training.runner.cli.hosts import HostSlots, assign_slots
     ids = [r.horovod_env() for r in assign_slots([HostSlots("a", 2), HostSlots("b", 1)], 3)]
     assert [(i["HOROVOD_RANK"], i["HOROVOD_LOCAL_RANK"], i["HOROVOD_LOCAL_SIZE"],
              i["HOROVOD_CROSS_RANK"], i["HOROVOD_CROSS_SIZE"], i["HOROVOD_HOSTNAME"])

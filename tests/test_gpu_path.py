@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from aiak_training.allreduce.hier_pipelined import chunk_spans
-from aiak_training.common import build_info
 from aiak_training.common.config import Config
 from aiak_training.common.dtypes import DataType as D
 from aiak_training.common.dtypes import ReduceOp as R
 from aiak_training.common.gpu import nccl
+from aiak_training.common.host import build_info
 from launch import check_rank_summaries, run_ranks
 
 V = 23203  # an NCCL 2.32 version code
@@ -121,7 +121,7 @@ def test_chunk_spans_cover_the_buffer(count, itemsize, chunk, align):
 
 
 def test_check_build_reports_the_gpu_path():
-    from aiak_training.runner.check_build import check_build_text
+    from aiak_training.runner.cli.check_build import check_build_text
     text = check_build_text()
     assert "CUDA runtime:" in text and "GPU collectives:" in text
     if build_info.nccl_built():

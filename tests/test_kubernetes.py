@@ -77,7 +77,7 @@ def test_manifest_has_what_the_operator_needs(launcher):
 @pytest.mark.parametrize("line", ["{host}:2", "{host} slots=2"])
 def test_aiakrun_reads_the_operators_hostfile_formats(tmp_path, line):
     # MPICH / Intel MPI jobs get "host:slots", Open MPI jobs "host slots=N".
-    from aiak_training.runner.hosts import HostSlots, parse_hostfile
+    from aiak_training.runner.cli.hosts import HostSlots, parse_hostfile
     names = [f"aiak-digits-worker-{i}.aiak-digits-worker.default.svc" for i in range(2)]
     (tmp_path / "hostfile").write_text("".join(line.format(host=h) + "\n" for h in names))
     assert parse_hostfile(str(tmp_path / "hostfile")) == [HostSlots(h, 2) for h in names]

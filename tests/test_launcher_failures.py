@@ -24,13 +24,14 @@ from typing import Dict, List
 
 import pytest
 
-from aiak_training.runner import blame, proc_tree
-from aiak_training.runner.failure import RankFailure
-from aiak_training.runner.flag_errors import suggest
-from aiak_training.runner.interrupt_filter import InterruptTracebackFilter
-from aiak_training.runner.launcher_output import BannerFilter
-from aiak_training.runner.liveness import LivenessServer, parse_value
-from aiak_training.runner.mpi_flavour import MpiNotFoundError, find_launcher
+from aiak_training.common.job.records import RankFailure
+from aiak_training.runner.cli.flag_errors import suggest
+from aiak_training.runner.guard import proc_tree
+from aiak_training.runner.guard.interrupt_filter import InterruptTracebackFilter
+from aiak_training.runner.guard.liveness import LivenessServer, parse_value
+from aiak_training.runner.modes.mpi_flavour import MpiNotFoundError, find_launcher
+from aiak_training.runner.report import blame
+from aiak_training.runner.report.launcher_output import BannerFilter
 from launch import clean_env, netns_pids, processes_with, require_emulation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,7 +174,7 @@ def test_culprit_for_uneven_steps_and_stall(tmp_path) -> None:
 
 
 def test_stall_report_parsing() -> None:
-    from aiak_training.common.exit_guard import parse_missing_ranks
+    from aiak_training.common.job.exit_guard import parse_missing_ranks
     report = ("One or more tensors were submitted ...\nMissing ranks:\n1: [allreduce.x, "
               "allreduce.y]\n3: [broadcast.w]\n")
     assert parse_missing_ranks(report) == {1: ["allreduce.x", "allreduce.y"],
@@ -183,8 +184,8 @@ def test_stall_report_parsing() -> None:
 
 def test_exit_bound_is_armed_by_a_failure_and_cleared_by_a_clean_end(monkeypatch,
                                                                       tmp_path) -> None:
-    from aiak_training.common import exit_guard
     from aiak_training.common.exceptions import HorovodInternalError
+    from aiak_training.common.job import exit_guard
     monkeypatch.setattr(exit_guard, "_failure_at", None)
     monkeypatch.setattr(exit_guard, "_error_noted", False)
     monkeypatch.setenv("AIAK_FAILURE_DIR", str(tmp_path))
@@ -534,7 +535,7 @@ BOOM_TB = ("Traceback (most recent call last):\n"
 
 
 def test_traceback_watch_notes_the_exception_and_cuts_secondary_tracebacks() -> None:
-    from aiak_training.runner.rank_traceback import CUT_NOTE, TracebackWatch
+    from aiak_training.runner.report.rank_traceback import CUT_NOTE, TracebackWatch
     watch = TracebackWatch()
     data = ("epoch 1\n" + SHUT_DOWN_TB + "after\n").encode()
     # Fed in odd pieces, as pipes deliver it.
@@ -557,8 +558,8 @@ def test_traceback_watch_notes_the_exception_and_cuts_secondary_tracebacks() -> 
 
 def test_first_cause_is_the_earliest_own_failure() -> None:
     import io
-    from aiak_training.runner.failure import first_cause
-    from aiak_training.runner.supervise import JobResult, report
+    from aiak_training.runner.guard.supervise import JobResult, report
+    from aiak_training.runner.report.failure import first_cause
     # Rank 0 ended first, on the consequence; rank 1 raised earlier but ended later (it
     # waited in MPI_Finalize), rank 2 was killed after rank 1 raised.
     victim = RankFailure(0, "h0", 1, 10.0, exception="HorovodInternalError: Horovod has been "
@@ -587,9 +588,9 @@ def test_first_cause_is_the_earliest_own_failure() -> None:
 
 
 def test_start_watch_declares_the_ranks_that_never_arrived(tmp_path) -> None:
-    from aiak_training.common.records import drop_record
-    from aiak_training.runner.failure import read_failures, write_failure
-    from aiak_training.runner.start_watch import StartWatch, start_timeout
+    from aiak_training.common.job.records import drop_record
+    from aiak_training.common.job.records import read_failures, write_failure
+    from aiak_training.runner.guard.start_watch import StartWatch, start_timeout
     assert start_timeout({"HOROVOD_START_TIMEOUT": "30"}) == 30.0
     assert start_timeout({"HOROVOD_START_TIMEOUT": "0"}) is None
     assert start_timeout({}) is None and start_timeout({"HOROVOD_START_TIMEOUT": "x"}) is None

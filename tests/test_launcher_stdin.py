@@ -18,10 +18,10 @@ from typing import List
 
 import pytest
 
-from aiak_training.runner.rank_setup import UsageError
+from aiak_training.runner.cli.rank_setup import UsageError
 from launch import clean_env
-from aiak_training.runner.stdin_program import (STDIN_FILE_ENV, rank_stdin,
-                                                reads_program_from_stdin, stdin_program_env)
+from aiak_training.runner.cli.stdin_program import (STDIN_FILE_ENV, rank_stdin,
+                                                    reads_program_from_stdin, stdin_program_env)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AIAKRUN = [sys.executable, "-m", "aiak_training.runner.launch"]

@@ -4,23 +4,24 @@ import signal
 
 import pytest
 
-from aiak_training.common.ranks import RankIdentity
+from aiak_training.common.job.ranks import RankIdentity
+from aiak_training.common.job.records import (RankFailure, describe_returncode, read_failures,
+                                              write_failure)
 from aiak_training.runner import launch
-from aiak_training.runner.args import (ignored_flags, network_interfaces, parse_args,
-                                       unsupported_flags)
-from aiak_training.runner.env_map import (exportable_names, flag_env, launcher_env,
-                                          parse_env_assignments, prepend_path)
-from aiak_training.runner.failure import (RankFailure, describe_returncode, read_failures,
-                                          shell_status, write_failure)
-from aiak_training.runner.hosts import (HostSlots, assign_slots, parse_hostfile, parse_hosts,
-                                        used_hosts)
-from aiak_training.runner.mpi_flavour import Flavour, MpiLauncher, parse_flavour, \
-    parse_major_version
-from aiak_training.runner.mpi_run import LaunchSpec, build_mpi_command
-from aiak_training.runner.line_pump import LineAssembler
-from aiak_training.runner.task_wrapper import rank_dir_name, rank_from_env, virtual_host_for
+from aiak_training.runner.cli.args import (ignored_flags, network_interfaces, parse_args,
+                                           unsupported_flags)
+from aiak_training.runner.cli.env_map import (exportable_names, flag_env, launcher_env,
+                                              parse_env_assignments, prepend_path)
+from aiak_training.runner.cli.hosts import (HostSlots, assign_slots, parse_hostfile, parse_hosts,
+                                            used_hosts)
+from aiak_training.runner.guard.task_wrapper import rank_dir_name, rank_from_env, virtual_host_for
+from aiak_training.runner.modes.mpi_flavour import (Flavour, MpiLauncher, parse_flavour,
+                                                    parse_major_version)
+from aiak_training.runner.modes.mpi_run import LaunchSpec, build_mpi_command
+from aiak_training.runner.report.failure import shell_status
+from aiak_training.runner.report.line_pump import LineAssembler
 
-CMD = ["/py", "-m", "aiak_training.runner.task_wrapper", "--", "python", "train.py"]
+CMD = ["/py", "-m", "aiak_training.runner.guard.task_wrapper", "--", "python", "train.py"]
 AB = [HostSlots("a", 2), HostSlots("b", 2)]
 
 
@@ -321,7 +322,7 @@ def test_prepare_emulated_cluster_hook(tmp_path):
     assert (spec.cluster_launcher_exec, spec.iface) == ("/run/agent", "aiak0")
     assert "HOROVOD_HOSTNAME" not in env
     assert env["AIAK_FAILURE_DIR"] == os.path.join(str(tmp_path), "failures")
-    assert spec.command[1:] == ["-m", "aiak_training.runner.task_wrapper", "--", "python",
+    assert spec.command[1:] == ["-m", "aiak_training.runner.guard.task_wrapper", "--", "python",
                                 "t.py"]
     # -H given: the cluster's host list is not used, the launch agent still is.
     spec, _ = _prepare(["-np", "2", "-H", "192.0.2.2:2", "cmd"], environ, tmp_path=tmp_path)

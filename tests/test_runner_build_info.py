@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from aiak_training.common import build_info
+from aiak_training.common.host import build_info
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,7 +24,7 @@ def test_constant_probes():
 def test_probes_import_nothing_heavy_and_agree_with_the_real_modules():
     code = textwrap.dedent("""
         import importlib.util, json, sys
-        from aiak_training.common import build_info as b
+        from aiak_training.common.host import build_info as b
         probed = dict(torch=b.torch_available(), tf=b.tensorflow_available(),
                       mpi=b.mpi_built(), mpi_version=b.mpi_library_version(),
                       torch_version=b.torch_version(), cuda=b.torch_cuda_version(),

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from aiak_training.common import build_info
+from aiak_training.common.host import build_info
 from launch import clean_env, processes_with
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,12 +1,13 @@
-"""A rank's placement (common/ranks.py): Horovod's local/cross numbering, computed once for every
-launcher, checked against hand-written tables and against what launched ranks see."""
+"""A rank's placement (common/job/ranks.py): Horovod's local/cross numbering, computed once
+for every launcher, checked against hand-written tables and against what launched ranks
+see."""
 import re
 import subprocess
 import sys
 
 import pytest
 
-from aiak_training.common.ranks import RankIdentity, place_ranks
+from aiak_training.common.job.ranks import RankIdentity, place_ranks
 from launch import REPO, clean_env
 
 # Each row: the host of every rank, then the expected (local_rank, local_size, cross_rank,

@@ -45,7 +45,7 @@ def spark():
 
 def _ranks_alive():
     return [p.pid for p in psutil.process_iter(["cmdline"])
-            if "aiak_training.runner.cluster_child" in " ".join(p.info["cmdline"] or [])]
+            if "aiak_training.runner.modes.cluster_child" in " ".join(p.info["cmdline"] or [])]
 
 
 def _allreduce_rank(scale, offset=0):
@@ -141,7 +141,7 @@ def _elastic_workers():
     """{worker id: pid} of the elastic rank processes now running."""
     found = {}
     for p in psutil.process_iter(["cmdline"]):
-        if "aiak_training.runner.cluster_child" not in " ".join(p.info["cmdline"] or []):
+        if "aiak_training.runner.modes.cluster_child" not in " ".join(p.info["cmdline"] or []):
             continue
         try:
             wid = p.environ().get("AIAK_ELASTIC_WORKER_ID")

@@ -17,9 +17,9 @@ from typing import Dict, List
 
 import pytest
 
-from aiak_training.common import build_info
 from aiak_training.common.config import Config
-from aiak_training.runner import check_build
+from aiak_training.common.host import build_info
+from aiak_training.runner.cli import check_build
 from aiak_training.runtime import startup_line
 from launch import clean_env
 
@@ -60,7 +60,7 @@ def _engine(num_nodes: int, per_node: int, **config) -> SimpleNamespace:
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    monkeypatch.setattr(startup_line, "_visible_gpus", lambda: 0)
+    monkeypatch.setattr(startup_line, "visible_gpus", lambda: 0)
     monkeypatch.setattr(startup_line, "_mpi_library", lambda: "MPICH 5.0.2")
     for var in ("AIAK_OVERLAP_UPDATE", "AIAK_FUSED_OPTIMIZER"):
         monkeypatch.delenv(var, raising=False)
@@ -95,7 +95,7 @@ def test_line_names_what_switched_each_acceleration_on(no_gpu, monkeypatch):
 
 
 def test_line_gpu_transport_follows_nccl_and_setting(monkeypatch):
-    monkeypatch.setattr(startup_line, "_visible_gpus", lambda: 1)
+    monkeypatch.setattr(startup_line, "visible_gpus", lambda: 1)
     monkeypatch.setattr(build_info, "nccl_built", lambda: 21903)
     assert "; GPU collectives nccl; " in startup_line.describe(_engine(1, 2))
     assert "; GPU collectives mpi (staged); " in startup_line.describe(

@@ -1,1 +1,3 @@
-"""Framework-agnostic core: engine, negotiation, topology, process sets."""
+"""What every layer shares: settings, dtypes, messages, topology, timeline, Horovod's strings;
+``gpu/`` is the CUDA data path, ``job/`` what aiakrun and its ranks share, ``host/`` this
+host's build and network interfaces."""

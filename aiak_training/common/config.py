@@ -22,7 +22,7 @@ def _allreduce_algo() -> str:
     return ALLREDUCE_ALGO_ALIASES.get(name, name)
 
 
-def _gpu_transport() -> str:
+def gpu_transport_setting() -> str:
     """AIAK_GPU_TRANSPORT wins; otherwise HOROVOD_GPU_OPERATIONS (or HOROVOD_GPU_ALLREDUCE, its
     older per-op form) set to MPI asks for the MPI path."""
     explicit = env_choice("AIAK_GPU_TRANSPORT", "", GPU_TRANSPORTS)
@@ -77,12 +77,29 @@ class Config:
     # The watchdog's liveness probe: a small TCP listener per rank that lets the watchdog name
     # the peers that are gone.  AIAK_LIVENESS_PROBE.
     liveness_probe: bool = True
-    # Gloo jobs: after a cycle that ended with nothing of this rank's own in flight, the
-    # engine thread parks for up to this long (0: never), and a thread that waits on a handle
-    # wakes it.  Each idle negotiation is a collective; over Gloo one costs hundreds of
-    # microseconds and a wake-up of Gloo's worker thread, which on a busy host competes with
-    # the training thread for the cores.  AIAK_IDLE_PARK_MS.
+    # After a cycle that found nothing in flight on any rank, the engine thread parks for up
+    # to this long (0: never).  A thread that waits on a handle ends the park, and a
+    # submission shortens it to one cycle time (time for the tensors that follow to join).
+    # Each idle negotiation is a collective: over Gloo it costs hundreds of microseconds and a
+    # wake-up of Gloo's worker thread, over MPI a wait for the slowest rank's cycle; on a busy
+    # host both compete with the training threads for the cores.  AIAK_IDLE_PARK_MS.
     idle_park_ms: float = 5.0
+    # MPI jobs: host allreduces of at least this many bytes run as the engine's own
+    # segmented ring over point-to-point messages (csrc/engine/mpi.cpp), smaller ones as
+    # MPI's nonblocking allreduce; 0 leaves every size to MPI.  AIAK_MPI_RING_BYTES.
+    mpi_ring_bytes: int = 1024 * 1024
+    # The ring's segment size and how many segments are in flight each way.
+    mpi_ring_segment_bytes: int = 256 * 1024     # AIAK_MPI_RING_SEGMENT_BYTES
+    mpi_ring_window: int = 4                     # AIAK_MPI_RING_WINDOW
+    # The ring also for sets whose ranks share one host (where MPI's shared-memory
+    # algorithms are used otherwise).  AIAK_MPI_RING_ON_ONE_HOST.
+    mpi_ring_on_one_host: bool = False
+    # MPI jobs: the engine waits for its MPI operations by testing them, spinning for 20 us
+    # after any progress and then sleeping up to this long between tests, instead of MPI's
+    # polling, which takes a core from compute for as long as a wait lasts; 0 spins.
+    # AIAK_MPI_WAIT_SLEEP_US.
+    mpi_wait_sleep_us: float = 100.0
+    mpi_wait_spin_us: float = 20.0               # AIAK_MPI_WAIT_SPIN_US
 
     def __setattr__(self, name: str, value) -> None:
         # A running engine's C++ core holds copies of some settings (fusion threshold, ...): it
@@ -112,11 +129,20 @@ class Config:
             dynamic_process_sets=env_bool("HOROVOD_DYNAMIC_PROCESS_SETS"),
             zero_copy_bytes=env_bytes("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),
             log_level=env_choice("HOROVOD_LOG_LEVEL", "warning", LOG_LEVELS).upper(),
-            gpu_transport=_gpu_transport(),
+            gpu_transport=gpu_transport_setting(),
             collective_timeout_s=env_float("AIAK_COLLECTIVE_TIMEOUT_SECONDS",
                                            cls.collective_timeout_s, minimum=0.0),
             liveness_probe=env_bool("AIAK_LIVENESS_PROBE", True),
             idle_park_ms=env_float("AIAK_IDLE_PARK_MS", cls.idle_park_ms, minimum=0.0),
+            mpi_ring_bytes=env_bytes("AIAK_MPI_RING_BYTES", cls.mpi_ring_bytes),
+            mpi_ring_segment_bytes=env_bytes("AIAK_MPI_RING_SEGMENT_BYTES",
+                                             cls.mpi_ring_segment_bytes),
+            mpi_ring_window=env_int("AIAK_MPI_RING_WINDOW", cls.mpi_ring_window, minimum=1),
+            mpi_ring_on_one_host=env_bool("AIAK_MPI_RING_ON_ONE_HOST"),
+            mpi_wait_sleep_us=env_float("AIAK_MPI_WAIT_SLEEP_US", cls.mpi_wait_sleep_us,
+                                        minimum=0.0),
+            mpi_wait_spin_us=env_float("AIAK_MPI_WAIT_SPIN_US", cls.mpi_wait_spin_us,
+                                       minimum=0.0),
         )
 
 

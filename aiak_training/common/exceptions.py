@@ -1,7 +1,7 @@
 """Exception types.  The class names are Horovod's, so ``except hvd.HorovodInternalError``
 in user code keeps working."""
 
-from aiak_training.common import exit_guard as _exit_guard
+from aiak_training.common.job import exit_guard as _exit_guard
 
 
 class HorovodInternalError(RuntimeError):
@@ -14,7 +14,7 @@ class HorovodInternalError(RuntimeError):
     def __init__(self, *args: object) -> None:
         super().__init__(*args)
         # After a failed collective, this process's exit must not wait on MPI_Finalize for a
-        # peer that may never come (see common/exit_guard.py).
+        # peer that may never come (see common/job/exit_guard.py).
         _exit_guard.note_failure(str(args[0]) if args else "")
 
 

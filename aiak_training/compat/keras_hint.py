@@ -5,7 +5,7 @@ errors that do not mention Keras versions (``TypeError: 'list' object is not cal
 ``opt.variables()``, ``unexpected keyword argument 'experimental_run_tf_function'``, ...).
 The Horovod shim installs :func:`install`, a ``sys.excepthook`` that prints the usual
 traceback and then, for such an error, one line saying how to install and enable Keras 2.
-``aiakrun`` repeats that line after its summary (runner/launcher_output.py).
+``aiakrun`` repeats that line after its summary (runner/report/launcher_output.py).
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 Built by :meth:`aiak_training.dgc.DGCCompressor.make_distributed_optimizer`, which
 ``hvd.DistributedOptimizer(..., compression=hvd.Compression.dgc(...))`` calls.  DGC is a
-reduction strategy of the one distributed-optimizer wrapper (``aiak_training.torch.wrapper``):
-it extends the allreduce strategy, which still reduces the dense tensors, so the result is an
-instance of a subclass of the wrapped optimizer's class, as with Horovod.
+reduction strategy of the one distributed-optimizer wrapper
+(``aiak_training.torch.optim.wrapper``): it extends the allreduce strategy
+(``aiak_training.torch.optim.allreduce``), which still reduces the dense tensors, so the
+result is an instance of a subclass of the wrapped optimizer's class, as with Horovod.
 
 Per step, for every *compressed* tensor (see :meth:`DGCCompressor.compresses`), on each rank:
 
@@ -46,8 +47,8 @@ from aiak_training.dgc import wire as wire_format
 from aiak_training.dgc.exchange import PendingExchange, sparse_allgather_async
 from aiak_training.torch.compression import Compression
 from aiak_training.torch.mpi_ops import Average, Sum
-from aiak_training.torch.optimizer import _DistributedOptimizer
-from aiak_training.torch.wrapper import wrap
+from aiak_training.torch.optim.allreduce import _DistributedOptimizer
+from aiak_training.torch.optim.wrapper import wrap
 
 # Keys of an SGD-style param group (torch.optim.SGD, aiak_training.fused_optim.FusedSGD).
 # Only such groups have their momentum taken over: other optimizers (RMSprop also has a
@@ -90,7 +91,7 @@ def _to_float(x: Any) -> float:
 class _DGCDistributedOptimizer(_DistributedOptimizer):
     """The DGC strategy: compressed tensors go through one sparse allgather in
     ``synchronize()``, dense ones through the allreduce strategy (``super()``).  The wrapped
-    optimizer is reached through ``_wrapped_step`` (see ``aiak_training.torch.wrapper``)."""
+    optimizer is reached through ``_wrapped_step`` (see ``aiak_training.torch.optim.wrapper``)."""
 
     _aiak_overlap_ok = False  # its synchronize() and hooks are not the allreduce ones
 
@@ -170,10 +171,9 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
         def hook(*ignore):
             # Compressed tensors are exchanged together, in synchronize(); with local clipping
             # the dense ones wait there too, since the clip factor needs the whole gradient.
-            if self._allreduce_delay[p] <= 0:
-                raise AssertionError(hs.TOO_MANY_BACKWARD_PASSES)
+            self._passes.refuse_extra(p)
             assert not p.grad.requires_grad
-            self._allreduce_delay[p] -= 1
+            self._passes.count(p)
             self._dgc_pending.add(p)
         return hook
 
@@ -397,7 +397,7 @@ class _DGCDistributedOptimizer(_DistributedOptimizer):
             torch._foreach_zero_(outs)  # one launch for all of them on a GPU
             pending.finish(outs, scale=1.0 / nranks if self.op == Average else 1.0)
             for p in self._dgc_sparse:
-                self._allreduce_delay[p] = self.backward_passes_per_step
+                self._passes.rearm(p)
 
         if self._dgc.clip_norm is not None and not self._dgc.local_clipping:
             params = [p for p in self._dgc_sparse + self._dgc_dense if p.grad is not None]

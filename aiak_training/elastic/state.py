@@ -139,9 +139,6 @@ class ObjectState(State):
         self._saved_state = {name: _pickled(name, value) for name, value in kwargs.items()}
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
-    def _attribute_names(self) -> List[str]:
-        return list(self._saved_state)
-
     def save(self) -> None:
         # Pickle everything first, so a failure leaves the previous commit untouched.
         self._saved_state = {name: _pickled(name, getattr(self, name))

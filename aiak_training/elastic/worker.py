@@ -121,16 +121,21 @@ def control() -> _Control:
     return _control
 
 
+#: Whether :func:`install_world_source` already handed the Gloo transport its world source.
+_world_source_installed = False
+
+
 def install_world_source(environ=None) -> bool:
     """In an elastic worker, make every ``hvd.init()`` take its world from the driver.
     Returns whether it did (False outside elastic mode).  Idempotent."""
     if not elastic_enabled(environ):
         return False
+    global _world_source_installed
     from aiak_training.runtime.transport import gloo
-    if getattr(gloo, "_aiak_elastic_source_installed", False):
+    if _world_source_installed:
         return True
     gloo.set_world_source(control().next_world)
-    gloo._aiak_elastic_source_installed = True  # noqa: SLF001 - marker for idempotence
+    _world_source_installed = True
     return True
 
 

@@ -275,14 +275,6 @@ def scalar_ptr(t: Optional[torch.Tensor], device: torch.device) -> Tuple[Optiona
     return owned.data_ptr(), owned
 
 
-def group_by_dtype(indices: Sequence[int], params: Sequence[torch.Tensor]) -> Dict[torch.dtype, List[int]]:
-    """Split positions by param dtype: each kernel call handles one dtype."""
-    out: Dict[torch.dtype, List[int]] = {}
-    for i in indices:
-        out.setdefault(params[i].dtype, []).append(i)
-    return out
-
-
 def dispatch(kind: str, device: torch.device, n: int,
              tensors_of: Callable[[int], List[torch.Tensor]], use_kernels: bool,
              found_inf: Optional[torch.Tensor], run_fast: Callable[[List[int]], None],
@@ -330,4 +322,3 @@ def kernel_buckets(params: Sequence[torch.Tensor], master_params: Sequence[Optio
     for i in idx:
         buckets.setdefault((params[i].dtype, master_params[i] is not None), []).append(i)
     return buckets
-

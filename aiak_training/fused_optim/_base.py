@@ -171,7 +171,3 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     if torch.is_tensor(v):
                         state[key] = v.to(device=p.device, dtype=torch.float32)
             self._normalize_state(p, state)
-
-
-def flatten_params(groups: Iterable[Dict[str, Any]]) -> Iterable[torch.Tensor]:
-    return itertools.chain.from_iterable(g["params"] for g in groups)

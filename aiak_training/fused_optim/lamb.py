@@ -72,21 +72,40 @@ def _single_tensor_lamb(
         if inv_scale is not None:
             grad.copy_(g * inv_scale)
             g = g * (inv_scale / clip)
-        elif clip != 1.0:
-            g = g * (1.0 / clip)
+        else:
+            g = clip_gradient(g, clip)
         p, u = _lamb_update(param, g, exp_avgs[i], exp_avg_sqs[i], state_steps[i],
                             master_params[i], beta1=beta1, beta2=beta2, eps=eps,
                             weight_decay=weight_decay, bias_correction=bias_correction,
                             grad_averaging=grad_averaging, adam_w_mode=adam_w_mode)
-        ratio = lr
+        norms = None
         if weight_decay != 0 or use_nvlamb:
-            p_norm = float(p.double().norm())
-            u_norm = float(u.double().norm())
-            if p_norm > 0 and u_norm > 0:
-                ratio = lr * (p_norm / u_norm)
-        p.add_(u, alpha=-ratio)
-        if p is not param:
-            param.copy_(p)
+            norms = (float(p.double().norm()), float(u.double().norm()))
+        apply_trust_ratio(param, p, u, lr, norms)
+
+
+def clip_divisor(norm: float, max_grad_norm: float) -> float:
+    """Step 1's divisor for a global gradient norm of ``norm``: ``norm / max_grad_norm``
+    when the norm is larger, else 1 (no clipping)."""
+    return norm / max_grad_norm if norm > max_grad_norm else 1.0
+
+
+def clip_gradient(g: Tensor, clip: float) -> Tensor:
+    """``g`` (in opmath) divided by step 1's divisor ``clip``; ``g`` itself when it is 1."""
+    return g * (1.0 / clip) if clip != 1.0 else g
+
+
+def apply_trust_ratio(param: Tensor, p: Tensor, u: Tensor, lr: float,
+                      norms: Optional[Tuple[float, float]]) -> None:
+    """Step 5 for one tensor: ``p -= lr * r * u``, with the trust ratio ``r = ||p|| / ||u||``
+    of the whole tensor's ``norms`` (None: no trust ratio; 1 where a norm is zero), then
+    ``param`` updated from ``p`` when ``p`` is a master or opmath copy."""
+    ratio = lr
+    if norms is not None and norms[0] > 0 and norms[1] > 0:
+        ratio = lr * (norms[0] / norms[1])
+    p.add_(u, alpha=-ratio)
+    if p is not param:
+        param.copy_(p)
 
 
 # fused_lamb's positional lists; all but the first two are also the tables of a plan.
@@ -109,8 +128,7 @@ def _clip_divisor(grad_norm: Optional[Tensor], max_grad_norm: Optional[float]) -
     kernels read the norm on the device instead."""
     if grad_norm is None or max_grad_norm is None or max_grad_norm <= 0:
         return 1.0
-    norm = to_float(grad_norm)
-    return norm / max_grad_norm if norm > max_grad_norm else 1.0
+    return clip_divisor(to_float(grad_norm), max_grad_norm)
 
 
 def _launch_lamb(

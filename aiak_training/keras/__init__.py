@@ -16,9 +16,8 @@ from aiak_training.keras import _backend
 from aiak_training.keras import callbacks  # noqa: F401
 from aiak_training.keras.optimizer import DistributedOptimizer  # noqa: F401
 from aiak_training.keras.saving import load_model  # noqa: F401
-from aiak_training.keras.values import (allgather, allreduce, broadcast,  # noqa: F401
-                                        reducescatter)
-from aiak_training.keras.variables import broadcast_global_variables  # noqa: F401
+from aiak_training.keras.collectives import (allgather, allreduce, broadcast,  # noqa: F401
+                                             broadcast_global_variables, reducescatter)
 from aiak_training.runtime.basics import add_process_set, remove_process_set  # noqa: F401
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set  # noqa: F401
 
@@ -38,7 +37,7 @@ Compression = _ops.Compression
 
 from aiak_training.keras import _flavour  # noqa: E402
 if _flavour.legacy() is None:
-    from aiak_training.keras.partial import PartialDistributedOptimizer  # noqa: F401,E402
+    from aiak_training.keras.optimizer import PartialDistributedOptimizer  # noqa: F401,E402
 else:
     # Keras 2 (tf_keras): Horovod's Keras 2 optimizer, callbacks, loading and broadcast.
     from aiak_training.keras.legacy import (DistributedOptimizer,  # noqa: F401,E402,F811

@@ -9,7 +9,9 @@ Keras 2 behaviour for Keras 2 (``aiak_training.keras.legacy``).
 import importlib
 import os
 from types import ModuleType
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+
+from aiak_training.common.grouping import LocalGradients
 
 _TRUE = ("1", "true", "yes")
 
@@ -65,6 +67,37 @@ def mixed_error(what: str, obj: Any, expected: ModuleType) -> ValueError:
         "and its optimizer must come from one Keras. " + advice)
 
 
+class WrapperState:
+    """What a distributed optimizer of either Keras knows beyond its wrapped class: the prefix
+    of its operations' names, the options of its reductions, its process set and its local
+    variables (told apart by ``key``).  A plain object, set with ``object.__setattr__``, so
+    that Keras tracks none of it: nothing enters the optimizer's variables or config."""
+
+    def __init__(self, scope: str, reduce_options: Dict[str, Any], process_set: Any,
+                 scale_local_gradients: bool, key: Callable[[Any], Any]):
+        self.scope = scope
+        self.reduce_options = reduce_options
+        self.process_set = process_set
+        # The variables whose gradients stay on this rank.
+        self.local = LocalGradients(key, scale_local_gradients)
+
+
+def distributed_subclass(cache: Dict[type, type], mixin: type, base: type,
+                         module: Callable[[type], str]) -> type:
+    """The subclass of ``base`` that ``mixin`` makes distributed, made once per class and
+    kept in ``cache`` (a class made here maps back to its ``_aiak_base``).  It carries
+    ``base``'s name and qualified name, and ``module(base)`` as its module: where Keras
+    saves the original, so that a saved model names the plain optimizer."""
+    base = getattr(base, "_aiak_base", base)
+    cls = cache.get(base)
+    if cls is None:
+        cls = type(base)(base.__name__, (mixin, base),
+                         {"__module__": module(base), "__qualname__": base.__qualname__,
+                          "_aiak_base": base})
+        cache[base] = cls
+    return cls
+
+
 def local_layers(layers: Any, module: ModuleType) -> List[Any]:
     """``PartialDistributedOptimizer``'s ``local_layers`` as a list of layers of ``module``
     (a layer, a list of them, or None); Horovod's ValueError for anything else, naming both
@@ -81,6 +114,19 @@ def local_layers(layers: Any, module: ModuleType) -> List[Any]:
                 raise mixed_error("PartialDistributedOptimizer", layer, module)
             raise ValueError(hs.LOCAL_LAYERS_TYPE)
     return found
+
+
+def partial_optimizer(distributed: Callable[..., Any], module: ModuleType, optimizer: Any,
+                      layers: Any, options: Dict[str, Any]) -> Any:
+    """``PartialDistributedOptimizer`` of either Keras: ``distributed(optimizer,
+    **options)`` (that Keras's ``DistributedOptimizer``) with the trainable weights of
+    ``layers`` (checked first, see :func:`local_layers`) registered as local variables."""
+    kept = local_layers(layers, module)
+    wrapped = distributed(optimizer, **options)
+    for layer in kept:
+        for var in layer.trainable_weights:
+            wrapped.register_local_var(var)
+    return wrapped
 
 
 def live_models(module: ModuleType) -> List[Any]:

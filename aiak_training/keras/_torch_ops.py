@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import aiak_training.torch as frontend  # the Horovod-style module values go through
-from aiak_training.keras._groups import buckets
+from aiak_training.common.grouping import group_positions
 from aiak_training.runtime.process_sets import ProcessSet
 from aiak_training.torch import (Adasum, Average, Compression, Max, Min,  # noqa: F401
                                  Product, Sum, ccl_built, cross_rank, cross_size, cuda_built,
@@ -39,7 +39,8 @@ def reduce_gradients(grads: Sequence[Optional[torch.Tensor]], variables: Sequenc
     # that division before the sum.
     pre, post = ((1.0 / gradient_predivide_factor, gradient_predivide_factor)
                  if op == Average else (1.0, 1.0))
-    for k, bucket in enumerate(buckets(present, variables, groups)):
+    buckets = group_positions(present, groups, lambda i: id(variables[i]), id)
+    for k, bucket in enumerate(buckets):
         reduced = frontend.grouped_allreduce([out[i] for i in bucket], name=f"{scope}.grads.{k}",
                                          compression=compression, op=op, prescale_factor=pre,
                                          postscale_factor=post, process_set=process_set)

@@ -16,10 +16,9 @@ the batch in which the rate changed, and puts it back at the batch's end; see
 from typing import Any, Dict, Optional
 
 import keras
-import numpy as np
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.keras import _backend, _lr_schedule
+from aiak_training.keras import _backend, _callbacks_shared
 from aiak_training.runtime.call_origin import collective_helper
 from aiak_training.runtime.process_sets import global_process_set
 
@@ -94,20 +93,11 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self.device = device  # kept for compatibility
 
     def _average_metrics_in_place(self, logs: Optional[Dict[str, Any]]) -> None:
-        if not logs:
-            return
-        names = sorted(logs)
-        values = [np.asarray(keras.ops.convert_to_numpy(logs[n]), dtype=np.float64)
-                  for n in names]
-        flat = np.concatenate([v.reshape(-1) for v in values])
-        averaged = keras.ops.convert_to_numpy(
-            _ops.frontend.allreduce(_ops.to_tensor(flat), name="MetricAverageCallback",
-                                    op=_ops.Average))
-        start = 0
-        for name, value in zip(names, values):
-            part = averaged[start:start + value.size].reshape(value.shape)
-            start += value.size
-            logs[name] = float(part) if value.ndim == 0 else part
+        _callbacks_shared.average_logs(
+            logs, keras.ops.convert_to_numpy,
+            lambda flat: keras.ops.convert_to_numpy(
+                _ops.frontend.allreduce(_ops.to_tensor(flat), name="MetricAverageCallback",
+                                        op=_ops.Average)))
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         self._average_metrics_in_place(logs)
@@ -120,7 +110,7 @@ def _get_value(value: Any) -> float:
     return float(keras.ops.convert_to_numpy(value))
 
 
-class LearningRateScheduleCallback(_lr_schedule.ScheduleMixin, keras.callbacks.Callback):
+class LearningRateScheduleCallback(_callbacks_shared.ScheduleMixin, keras.callbacks.Callback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` for the epochs in
     ``[start_epoch, end_epoch)``.
 
@@ -136,7 +126,7 @@ class LearningRateScheduleCallback(_lr_schedule.ScheduleMixin, keras.callbacks.C
     _read_value = staticmethod(_get_value)
 
 
-class LearningRateWarmupCallback(_lr_schedule.WarmupMixin, LearningRateScheduleCallback):
+class LearningRateWarmupCallback(_callbacks_shared.WarmupMixin, LearningRateScheduleCallback):
     """Raise the learning rate linearly from ``initial_lr / size`` to ``initial_lr`` over
     ``warmup_epochs`` epochs, batch by batch (Goyal et al., "Accurate, Large Minibatch SGD").
 

@@ -1,5 +1,6 @@
 """``DistributedOptimizer`` for Keras 3: any Keras optimizer, with gradients combined over
-the ranks before they are applied.
+the ranks before they are applied; and ``PartialDistributedOptimizer`` (``horovod.keras`` and
+``horovod.tensorflow.keras`` have it), whose local layers keep their gradients on each rank.
 
 Where it hooks in.  Every update of a Keras 3 optimizer goes through
 ``BaseOptimizer.apply(grads, trainable_variables)``: ``model.fit``'s train step calls
@@ -26,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import keras
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.common.groups import fold_num_groups
+from aiak_training.common.grouping import fold_num_groups
 from aiak_training.keras import _backend, _flavour
 from aiak_training.keras._accumulation import Accumulation
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
@@ -36,19 +37,14 @@ Compression = _ops.Compression
 Average, Sum = _ops.Average, _ops.Sum
 
 
-class _State:
-    """What one distributed optimizer knows beyond its wrapped class (kept in a plain
-    object, which Keras does not track, so none of it enters the optimizer's variables or
-    config)."""
+class _State(_flavour.WrapperState):
+    """The shared state (variables told apart by identity), and the local sums of
+    ``backward_passes_per_step`` > 1."""
 
     def __init__(self, scope: str, reduce_options: Dict[str, Any], process_set: ProcessSet,
                  scale_local_gradients: bool, accumulation: Optional[Accumulation]):
-        self.scope = scope
-        self.reduce_options = reduce_options
-        self.process_set = process_set
-        self.scale_local_gradients = scale_local_gradients
+        super().__init__(scope, reduce_options, process_set, scale_local_gradients, id)
         self.accumulation = accumulation
-        self.local: set = set()  # ids of variables whose gradients stay on this rank
         # TensorFlow backend: the variable that a compiled step reads the momentum from.
         self.momentum: Optional[keras.Variable] = None
 
@@ -97,7 +93,7 @@ class _Distributed:
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank: it is not combined with the others' (and
         is divided by the process set's size when ``scale_local_gradients``)."""
-        self._aiak.local.add(id(var))
+        self._aiak.local.add(var)
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -121,19 +117,11 @@ class _Distributed:
     def _aiak_reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         """``grads`` combined over the process set, local variables' gradients excepted."""
         state = self._aiak
-        shared = [i for i, v in enumerate(variables) if id(v) not in state.local]
-        reduced = _ops.reduce_gradients([grads[i] for i in shared],
-                                        [variables[i] for i in shared], state.scope,
-                                        **state.reduce_options)
-        out = list(grads)
-        for i, grad in zip(shared, reduced):
-            out[i] = grad
-        if state.local and state.scale_local_gradients:
-            members = state.process_set.size()
-            for i, variable in enumerate(variables):
-                if id(variable) in state.local and out[i] is not None:
-                    out[i] = _ops.divide_gradient(out[i], members)
-        return out
+        return state.local.combine(
+            grads, variables,
+            lambda shared, where: _ops.reduce_gradients(shared, where, state.scope,
+                                                        **state.reduce_options),
+            _ops.divide_gradient, state.process_set.size)
 
 
 _classes: Dict[type, type] = {}
@@ -155,15 +143,7 @@ def _distributed_class(optimizer: keras.optimizers.Optimizer) -> type:
     It carries the class name and the module under which Keras saves the original, so a
     saved model names the plain optimizer and loads without aiak_training.
     """
-    base = type(optimizer)
-    base = getattr(base, "_aiak_base", base)
-    cls = _classes.get(base)
-    if cls is None:
-        cls = type(base)(base.__name__, (_Distributed, base),
-                         {"__module__": _saved_module(base), "__qualname__": base.__qualname__,
-                          "_aiak_base": base})
-        _classes[base] = cls
-    return cls
+    return _flavour.distributed_subclass(_classes, _Distributed, type(optimizer), _saved_module)
 
 
 def _adopt_state(new: keras.optimizers.Optimizer, old: keras.optimizers.Optimizer) -> None:
@@ -246,6 +226,26 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[s
     object.__setattr__(wrapped, "_aiak", state)
     _adopt_state(wrapped, optimizer)
     return wrapped
+
+
+def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: Optional[str] = None,
+                                device_dense: str = '', device_sparse: str = '',
+                                compression: Any = Compression.none,
+                                sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: int = Average,
+                                backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False,
+                                groups: Optional[Any] = None,
+                                process_set: ProcessSet = global_process_set,
+                                local_layers=None,
+                                scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+    """:func:`DistributedOptimizer` whose ``local_layers`` (a Keras layer or a list of them)
+    keep their trainable weights' gradients local: not combined over the ranks, and divided
+    by the process set's size when ``scale_local_gradients``."""
+    # Every other argument goes to DistributedOptimizer under its own name.
+    options = {k: v for k, v in locals().items() if k not in ("optimizer", "local_layers")}
+    return _flavour.partial_optimizer(DistributedOptimizer, keras, optimizer, local_layers,
+                                      options)
 
 
 def is_distributed(optimizer: Any) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from aiak_training.torch.adasum_optimizer import AdasumDeltaStrategy
+from aiak_training.torch.optim.adasum import AdasumDeltaStrategy
 
 # LightningModule hooks whose override means "I look at the gradients before the step".
 _GRADIENT_HOOKS = ("configure_gradient_clipping", "on_before_optimizer_step")

@@ -18,11 +18,11 @@ import ray.exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from aiak_training.ray.worker import BaseHorovodWorker
-from aiak_training.runner import cluster_jobs
-from aiak_training.runner.elastic.driver import ElasticSettings
-from aiak_training.runner.elastic.function_job import (FunctionWorker, run_function_job,
-                                                       worker_env)
-from aiak_training.runner.elastic.hosts import Slot
+from aiak_training.runner.modes import cluster_jobs
+from aiak_training.runner.modes.elastic.driver import ElasticSettings
+from aiak_training.runner.modes.elastic.function_job import (FunctionWorker, run_function_job,
+                                                             worker_env)
+from aiak_training.runner.modes.elastic.hosts import Slot
 
 
 # What the driver's messages call the settings, in RayExecutor's words.

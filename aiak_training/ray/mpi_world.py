@@ -27,7 +27,7 @@ import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from aiak_training.runner.mpi_flavour import Flavour, MpiNotFoundError, detect_launcher
+from aiak_training.runner.modes.mpi_flavour import Flavour, MpiNotFoundError, detect_launcher
 
 #: ``auto`` (MPI when MPICH's hydra is installed, else Gloo), ``mpi`` or ``gloo``.
 TRANSPORT_ENV = "AIAK_RAY_TRANSPORT"

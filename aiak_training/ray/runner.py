@@ -23,10 +23,10 @@ from ray.util.placement_group import (get_current_placement_group, placement_gro
                                       remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from aiak_training.common.ranks import place_ranks
-from aiak_training.runner import cluster_jobs
+from aiak_training.common.job.ranks import place_ranks
 from aiak_training.ray.mpi_world import HydraWorld, new_key, ray_transport
 from aiak_training.ray.worker import BaseHorovodWorker
+from aiak_training.runner.modes import cluster_jobs
 
 log = logging.getLogger("aiak_training.ray")
 

@@ -1,8 +1,12 @@
 """``aiakrun``: horovodrun-compatible launcher (console script ``aiakrun = ...launch:main``).
 
-Flow: parse flags -> pick hosts and place ranks -> compute the ranks' environment -> detect
-the MPI flavour -> build the launcher command (pure, in :mod:`mpi_run`) -> run it under
-supervision (:mod:`supervise`), with every rank wrapped by :mod:`task_wrapper`.
+The runner's entry point, above its four subpackages: it parses the flags (``cli/``), hands
+``--advise``, elastic and ``--gloo`` jobs to their mode (``modes/``) and runs an MPI job
+itself.  Flow of an MPI job: parse flags -> pick hosts and place ranks -> compute the ranks'
+environment -> detect the MPI flavour -> build the launcher command (pure, in
+:mod:`~aiak_training.runner.modes.mpi_run`) -> run it under supervision
+(:mod:`~aiak_training.runner.guard.supervise`), with every rank wrapped by
+:mod:`~aiak_training.runner.guard.task_wrapper`.
 """
 from __future__ import annotations
 
@@ -17,23 +21,24 @@ import tempfile
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from aiak_training.common.env import env_bool
-from aiak_training.runner.args import (ignored_flags, network_interfaces, parse_args,
-                                       unsupported_flags)
-from aiak_training.runner.env_map import exportable_names, launcher_env
-from aiak_training.runner.failure import FAILURE_DIR_ENV
-from aiak_training.runner.hosts import assign_slots, is_local_host, used_hosts
-from aiak_training.runner.launch_guard import finish_result, start_guards
-from aiak_training.runner.mpi_flavour import Flavour, MpiLauncher, MpiNotFoundError, detect_launcher
-from aiak_training.runner.mpi_run import LaunchSpec, build_mpi_command
+from aiak_training.common.job.records import FAILURE_DIR_ENV
+from aiak_training.runner.cli.args import (ignored_flags, network_interfaces, parse_args,
+                                           unsupported_flags)
+from aiak_training.runner.cli.env_map import exportable_names, launcher_env
+from aiak_training.runner.cli.hosts import assign_slots, is_local_host, used_hosts
 # UsageError is part of this module's interface (what run() reports as a usage problem).
-from aiak_training.runner.rank_setup import (CLUSTER_IFACE_ENV, CLUSTER_LAUNCHER_ENV,  # noqa: F401
-                                             VIRTUAL_HOSTS_ENV, UsageError, _warn, check_hosts,
-                                             hosts_source, rank_command, rank_vars,
-                                             resolve_hosts)
-from aiak_training.runner.start_watch import watch_start
-from aiak_training.runner.stdin_program import launcher_stdin, stdin_program_env
-from aiak_training.runner.supervise import report, run_job
-from aiak_training.runner.task_wrapper import OUTPUT_DIR_ENV
+from aiak_training.runner.cli.rank_setup import (CLUSTER_IFACE_ENV,  # noqa: F401
+                                                 CLUSTER_LAUNCHER_ENV, VIRTUAL_HOSTS_ENV,
+                                                 UsageError, check_hosts, hosts_source,
+                                                 rank_command, rank_vars, resolve_hosts, warn)
+from aiak_training.runner.cli.stdin_program import launcher_stdin, stdin_program_env
+from aiak_training.runner.guard.launch_guard import finish_result, start_guards
+from aiak_training.runner.modes.mpi_flavour import (Flavour, MpiLauncher, MpiNotFoundError,
+                                                    detect_launcher)
+from aiak_training.runner.modes.mpi_run import LaunchSpec, build_mpi_command
+from aiak_training.runner.guard.start_watch import watch_start
+from aiak_training.runner.guard.supervise import report, run_job
+from aiak_training.runner.guard.task_wrapper import OUTPUT_DIR_ENV
 
 def _ssh_agent(run_dir: str, port: Optional[int], identity: Optional[str]) -> str:
     """Script hydra can use as ``-launcher-exec`` to pass ssh options it has no flag for."""
@@ -62,7 +67,7 @@ def prepare(args: argparse.Namespace, environ: Mapping[str, str], launcher: MpiL
     cluster_exec = environ.get(CLUSTER_LAUNCHER_ENV) or None
     cluster_hook = bool(cluster_exec) and launcher.flavour is Flavour.MPICH and not virtual
     if cluster_exec and not cluster_hook:
-        _warn(f"{CLUSTER_LAUNCHER_ENV} is ignored "
+        warn(f"{CLUSTER_LAUNCHER_ENV} is ignored "
               + ("with --virtual-hosts" if virtual else
                  f"(the emulated cluster needs MPICH; found {launcher.flavour.value})"))
 
@@ -139,7 +144,7 @@ def rank_hosts(spec: LaunchSpec) -> Dict[int, str]:
 
 
 def _version_text() -> str:
-    from aiak_training.runner.check_build import HOROVOD_VERSION, aiak_version
+    from aiak_training.runner.cli.check_build import HOROVOD_VERSION, aiak_version
     return f"aiakrun (aiak-training) {aiak_version()}, compatible with Horovod {HOROVOD_VERSION}"
 
 
@@ -150,7 +155,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         print(_version_text())
         return 0
     if args.check_build:
-        from aiak_training.runner.check_build import check_build_text
+        from aiak_training.runner.cli.check_build import check_build_text
         print(check_build_text())
         return 0
     problems = unsupported_flags(args)
@@ -159,23 +164,23 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             print(f"aiakrun: error: {p}", file=sys.stderr)
         return 2
     for flag in ignored_flags(args):
-        _warn(f"{flag} is not supported by aiak-training and is ignored")
+        warn(f"{flag} is not supported by aiak-training and is ignored")
     if not args.command:
         print("aiakrun: error: no command given (e.g. aiakrun -np 2 python train.py)",
               file=sys.stderr)
         return 2
-    if args.advise or args.what_if is not None:  # measure and predict (runner/advise.py)
-        from aiak_training.runner.advise import run_advise
+    if args.advise or args.what_if is not None:  # measure and predict (runner/modes/advise.py)
+        from aiak_training.runner.modes.advise import run_advise
         return run_advise(args, argv)
-    from aiak_training.runner.elastic.launch import elastic_requested, run_elastic
-    if elastic_requested(args):  # --host-discovery-script / --min-np (runner/elastic/)
+    from aiak_training.runner.modes.elastic.launch import elastic_requested, run_elastic
+    if elastic_requested(args):  # --host-discovery-script / --min-np (runner/modes/elastic/)
         return run_elastic(args, os.environ)
     if args.num_proc is None:
         print("aiakrun: error: -np/--num-proc is required", file=sys.stderr)
         return 2
 
-    if args.use_gloo:  # no MPI at all: aiakrun starts the ranks itself (runner/gloo_run.py)
-        from aiak_training.runner.gloo_run import run_gloo
+    if args.use_gloo:  # no MPI at all: aiakrun starts the ranks itself (runner/modes/gloo_run.py)
+        from aiak_training.runner.modes.gloo_run import run_gloo
         return run_gloo(args, os.environ)
     run_dir = tempfile.mkdtemp(prefix="aiakrun.")
     try:
@@ -184,7 +189,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             spec, env = prepare(args, os.environ, launcher, run_dir)
             check_hosts(spec.hosts, args, spec.virtual_hosts, bool(spec.cluster_launcher_exec))
             build_mpi_command(spec)  # refuses a bad layout before a port is opened
-            # Liveness port and output reader (runner/launch_guard.py).
+            # Liveness port and output reader (runner/guard/launch_guard.py).
             spec, liveness, output = start_guards(spec, env, verbose=bool(args.verbose))
             cmd = build_mpi_command(spec)
         except MpiNotFoundError as exc:

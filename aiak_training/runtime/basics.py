@@ -11,17 +11,17 @@ import sys
 import threading
 from typing import Dict, List, Optional, Sequence, Union
 
-from aiak_training.runtime import autotune as _autotune
-from aiak_training.common import build_info
-from aiak_training.common import exit_guard as _exit_guard
 from aiak_training.common import horovod_strings as hs
 from aiak_training.common.config import Config, removed_engine_choice
 from aiak_training.common.env import env_bool
+from aiak_training.common.host import build_info
+from aiak_training.common.job import exit_guard as _exit_guard
 from aiak_training.common.messages import OpType
+from aiak_training.runtime import autotune as _autotune
 from aiak_training.runtime import current
+from aiak_training.runtime import startup_line as _startup_line
 from aiak_training.runtime.current import engine, is_initialized  # noqa: F401 - re-exported
 from aiak_training.runtime.engine import Engine
-from aiak_training.runtime import startup_line as _startup_line
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.runtime.transport import gloo as _gloo
 
@@ -169,7 +169,7 @@ def shutdown() -> None:
         stopping = current.install(None)
     if stopping is not None:
         # A still-running engine means the program ended normally; one that stopped by
-        # itself failed or was stopped by a peer (common/exit_guard.py bounds the exit then).
+        # itself failed or was stopped by a peer (common/job/exit_guard.py bounds the exit then).
         _exit_guard.note_shutdown(stopping.running)
         stopping.shutdown()
         _gloo.release(getattr(stopping, "_parent_comm", None))  # Gloo: connections close now

@@ -88,9 +88,10 @@ def _core_config(config: Config, gloo: Optional["GlooCalls"]) -> dict:
     out.update(
         cycle_time_s=config.cycle_time_ms / 1000.0, cache_capacity=config.cache_capacity,
         stall_check_s=stall_check_s, stall_shutdown_s=stall_shutdown_s, deadlock_s=deadlock_s,
-        # The idle park saves Gloo jobs the CPU of idle negotiations (each one a Python call
-        # and a Gloo round trip); MPI jobs keep their steady cycle.
-        idle_park_s=0.0 if gloo is None else config.idle_park_ms / 1000.0,
+        idle_park_s=config.idle_park_ms / 1000.0,
+        ring_min_bytes=config.mpi_ring_bytes, ring_segment_bytes=config.mpi_ring_segment_bytes,
+        ring_window=config.mpi_ring_window, wait_sleep_us=config.mpi_wait_sleep_us,
+        wait_spin_us=config.mpi_wait_spin_us, ring_on_one_host=int(config.mpi_ring_on_one_host),
         shut_down=hs.SHUT_DOWN, duplicate_name=hs.DUPLICATE_NAME)
     return out
 
@@ -189,11 +190,6 @@ class Engine:
         return self._started and not self._stopped and self.core.running
 
     @property
-    def thread_ident(self) -> Optional[int]:
-        """None: the engine thread is a C++ thread, with no Python stack to show."""
-        return None
-
-    @property
     def cycle_started(self) -> float:
         """``time.monotonic()`` at the start of the current cycle (the watchdog's input)."""
         return self.core.cycle_started
@@ -242,7 +238,8 @@ class Engine:
         flat = state.algorithm is flat_allreduce
         comm_id = _mpi_object_id(comm) if self._gloo is None else self._gloo.register(comm)
         self._comm_ids[set_id] = comm_id
-        self.core.add_set(set_id, comm_id, state.rank, state.size, flat)
+        self.core.add_set(set_id, comm_id, state.rank, state.size, flat,
+                          state.topology.num_nodes == 1)
         if flat:
             self._flat_sets.add(set_id)
 

@@ -25,7 +25,7 @@ from aiak_training.allreduce import resolve_algorithm
 from aiak_training.common.env import env_bool
 
 log = logging.getLogger("aiak_training")
-_UNDER_AIAKRUN_ENV = "AIAK_FAILURE_DIR"  # set by aiakrun for every rank (runner/failure.py)
+_UNDER_AIAKRUN_ENV = "AIAK_FAILURE_DIR"  # set by aiakrun for every rank (runner/report/failure.py)
 
 # Environment switches that turn an acceleration on, with how the line names them.
 _SWITCHES = (("AIAK_OVERLAP_UPDATE", "overlap update"),
@@ -46,7 +46,7 @@ def _mpi_library() -> str:
 _QUIET_LEVELS = ("warning", "error", "fatal")
 
 
-def _visible_gpus() -> int:
+def visible_gpus() -> int:
     """CUDA devices this process could use; 0 when there is no driver or runtime."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return 0
@@ -64,7 +64,7 @@ def _visible_gpus() -> int:
 def gpu_path(wanted: str, nccl_version: int, devices: int) -> Tuple[str, str]:
     """(transport, why) that CUDA tensors take: ``nccl``, ``mpi (staged)`` or ``none``.
 
-    ``wanted`` is the setting (:func:`aiak_training.common.config._gpu_transport`),
+    ``wanted`` is the setting (:func:`aiak_training.common.config.gpu_transport_setting`),
     ``nccl_version`` a loadable NCCL's version code (0: none), ``devices`` the visible GPUs.
     ``aiakrun --check-build`` and the start-up line both answer from here.
     """
@@ -79,12 +79,12 @@ def gpu_path(wanted: str, nccl_version: int, devices: int) -> Tuple[str, str]:
 
 
 def _gpu_transport_part(config) -> str:
-    devices = _visible_gpus()
+    devices = visible_gpus()
     if devices < 1:
         # Without a GPU the answer is "none" whatever NCCL is: skip its probe, whose dlopen
         # attempts cost rank 0 ~15 ms inside hvd.init() and let it fall behind its peers.
         return gpu_path(config.gpu_transport, 0, devices)[0]
-    from aiak_training.common import build_info
+    from aiak_training.common.host import build_info
     name, _why = gpu_path(config.gpu_transport, build_info.nccl_built(), devices)
     return name
 

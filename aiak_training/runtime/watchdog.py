@@ -36,7 +36,6 @@ the engine thread fails with an MPI error (a peer's process was killed).
 """
 import errno
 import faulthandler
-import fcntl
 import json
 import logging
 import os
@@ -45,13 +44,14 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from mpi4py import MPI
 
 from aiak_training.common.config import Config
-from aiak_training.common.records import drop_record
+from aiak_training.common.host.net import interface_is_up, local_ipv4_addresses
+from aiak_training.common.job.records import FAILURE_DIR_ENV, RankFailure, drop_record
 
 log = logging.getLogger("aiak_training")
 
@@ -66,65 +66,13 @@ PROBE_CONNECT_TIMEOUT_S = 2.0
 PROBE_REPLY_TIMEOUT_S = 2.0
 #: Addresses of one peer tried, at most (a host may have many interfaces).
 _MAX_ADDRESSES = 4
-#: Variable naming the directory aiakrun reads failure records from (runner/failure.py; the
-#: runtime layer may not import the runner, so the record format is written here too and a
-#: unit test checks that aiakrun reads it).
-FAILURE_DIR_ENV = "AIAK_FAILURE_DIR"
-
-_SIOCGIFFLAGS = 0x8913
-_SIOCGIFADDR = 0x8915
-_IFF_UP = 0x1
-_IFF_RUNNING = 0x40
 _TCP_ESTABLISHED = 1
 # struct tcp_info (linux/tcp.h): tcpi_last_data_recv is the u32 at byte 52, in ms.
 _TCPI_LAST_DATA_RECV = 52
 _TCPI_MIN_BYTES = 104
 
 
-# ---- this host: interfaces and TCP sockets -----------------------------------------------
-def _ifreq(name: str) -> bytes:
-    return struct.pack("256s", name.encode()[:15])
-
-
-def interface_flags(name: str) -> Optional[int]:
-    """``ifr_flags`` of a network interface in this network namespace, None if unknown."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            return struct.unpack_from("h", fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS,
-                                                       _ifreq(name)), 16)[0] & 0xFFFF
-    except OSError:
-        return None
-
-
-def interface_is_up(name: str) -> Optional[bool]:
-    """Whether an interface is administratively up and has carrier; None if unknown."""
-    flags = interface_flags(name)
-    if flags is None:
-        return None
-    return bool(flags & _IFF_UP) and bool(flags & _IFF_RUNNING)
-
-
-def local_ipv4_addresses() -> List[Tuple[str, str]]:
-    """(interface, IPv4 address) of every interface that is up, loopback excluded."""
-    found = []
-    try:
-        names = [name for _, name in socket.if_nameindex()]
-    except OSError:
-        return found
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for name in names:
-            if name == "lo" or not interface_is_up(name):
-                continue
-            try:
-                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, _ifreq(name))
-            except OSError:  # no IPv4 address on it
-                continue
-            addr = socket.inet_ntoa(raw[20:24])
-            if not addr.startswith("127."):
-                found.append((name, addr))
-    return found
-
-
+# ---- this host: TCP sockets (its interfaces: common/host/net.py) -------------------------
 def _plain_ipv4(host: str) -> str:
     return host[7:] if host.startswith("::ffff:") else host
 
@@ -331,9 +279,6 @@ class EngineView(Protocol):
     @property
     def running(self) -> bool: ...
 
-    @property
-    def thread_ident(self) -> Optional[int]: ...
-
     def abandon(self, reason: str) -> None: ...
 
     def in_flight(self) -> Dict[int, List[Tuple[str, int]]]: ...
@@ -462,20 +407,8 @@ class Watchdog:
                 f"{', '.join(down)} {'are' if len(down) > 1 else 'is'} down")
 
     def _in_flight(self) -> str:
-        """Where the engine thread is, and what waits, from the outside (no hot-path cost)."""
+        """What waits, per process set, read from the outside (no hot-path cost)."""
         engine = self._engine
-        where = ""
-        frame = sys._current_frames().get(engine.thread_ident or -1)
-        chain = []
-        while frame is not None and len(chain) < 12:
-            code = frame.f_code
-            path = code.co_filename.replace(os.sep, "/")
-            if "/aiak_training/" in path:
-                chain.append(f"{code.co_name} ({path.rsplit('/aiak_training/', 1)[1]}:"
-                             f"{frame.f_lineno})")
-            frame = frame.f_back
-        if chain:
-            where = "the engine thread is in " + " <- ".join(chain[:3])
         waiting = []
         try:
             for set_id, entries in sorted(engine.in_flight().items()):
@@ -486,7 +419,7 @@ class Watchdog:
                                f"({names}{more}; {_size_text(nbytes)})")
         except RuntimeError:  # a table changed while being read: skip the detail
             pass
-        return "; ".join(filter(None, [where] + waiting))
+        return "; ".join(waiting)
 
     def fire(self, stuck_s: float, statuses: Sequence[PeerStatus]) -> None:
         """Report the hang, fail every waiting handle, and end the process (see module)."""
@@ -537,12 +470,12 @@ class Watchdog:
 
 def write_failure_record(rank: int, host: str, returncode: int, detail: str,
                          directory: Optional[str] = None) -> None:
-    """Leave a failure record for aiakrun (the format of ``runner.failure.RankFailure``).
+    """Leave a failure record for aiakrun (a :class:`RankFailure`, common/job/records.py).
 
     Does nothing without ``$AIAK_FAILURE_DIR`` or when that directory is not visible here
     (a rank on another host without a shared file system).
     """
     directory = os.environ.get(FAILURE_DIR_ENV, "") if directory is None else directory
-    record = {"rank": rank, "host": host, "returncode": returncode, "time": time.time(),
-              "detail": detail}
-    drop_record(directory, f"rank.{rank}.{os.getpid()}.watchdog", ".json", record)
+    record = RankFailure(rank=rank, host=host, returncode=returncode, time=time.time(),
+                         detail=detail)
+    drop_record(directory, f"rank.{rank}.{os.getpid()}.watchdog", ".json", asdict(record))

@@ -26,14 +26,14 @@ from typing import Any, Dict, List, Optional, Set
 import cloudpickle
 
 from aiak_training.elastic import protocol
-from aiak_training.runner import cluster_jobs
-from aiak_training.runner.elastic.driver import ElasticSettings
-from aiak_training.runner.elastic.function_job import (ElasticJobError, FunctionWorker,
-                                                       run_function_job, worker_env)
-from aiak_training.runner.elastic.hosts import Slot
-from aiak_training.spark.runner import (SparkRankError, _Control, _finish_rank_process,
-                                        _Reporter, _start_rank_process, _short, active_context,
-                                        prepare)
+from aiak_training.runner.modes import cluster_jobs
+from aiak_training.runner.modes.elastic.driver import ElasticSettings
+from aiak_training.runner.modes.elastic.function_job import (ElasticJobError, FunctionWorker,
+                                                             run_function_job, worker_env)
+from aiak_training.runner.modes.elastic.hosts import Slot
+from aiak_training.spark.runner import (RankControl, Reporter, SparkRankError, active_context,
+                                        finish_rank_process, prepare, short_error,
+                                        start_rank_process)
 
 # What the driver's messages call the settings, in run_elastic's words.
 NAMES = {"-np": "num_proc", "--min-np": "min_np", "--max-np": "max_np",
@@ -41,7 +41,7 @@ NAMES = {"-np": "num_proc", "--min-np": "min_np", "--max-np": "max_np",
          "--start-timeout": "start_timeout"}
 
 
-class _ElasticControl(_Control):
+class _ElasticControl(RankControl):
     """The control server of an elastic run: besides output lines it keeps one connection
     per task (its slot; closed means lost), sends the tasks orders on it, and collects the
     workers' exits and results."""
@@ -134,13 +134,13 @@ def _slot_task(job: Dict[str, Any]):
         host = socket.gethostname()
         key = f"{host}-task{ctx.partitionId()}" + \
             (f"-attempt{ctx.attemptNumber()}" if ctx.attemptNumber() else "")
-        reporter = _Reporter(job["addr"], job["control_port"], job["token"], job["timeout"])
+        reporter = Reporter(job["addr"], job["control_port"], job["token"], job["timeout"])
         workdir = tempfile.mkdtemp(prefix=f"aiak-spark-elastic-{ctx.partitionId()}-")
         payload_path = os.path.join(workdir, "payload.pkl")
         procs: Dict[str, Any] = {}
 
         def watch(wid: str, proc, pumps, result_path: str) -> None:
-            code, outcome = _finish_rank_process(proc, pumps, result_path)
+            code, outcome = finish_rank_process(proc, pumps, result_path)
             try:
                 reporter.send(kind="exit", wid=wid, code=code,
                               outcome=base64.b64encode(outcome).decode() if outcome else None)
@@ -163,7 +163,7 @@ def _slot_task(job: Dict[str, Any]):
                     env.update(msg["env"])
                     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
                     result_path = os.path.join(workdir, f"{wid}.result")
-                    proc, pumps = _start_rank_process(job, payload_path, result_path, env,
+                    proc, pumps = start_rank_process(job, payload_path, result_path, env,
                                                       reporter, wid)
                     procs[wid] = proc
                     threading.Thread(target=watch, args=(wid, proc, pumps, result_path),
@@ -245,7 +245,7 @@ def run_elastic(fn, args=(), kwargs={}, num_proc=None, min_np=None, max_np=None,
         # Its tasks are gone and no new one can come: waiting for slots would be in vain.
         if runner.is_alive():
             return None
-        return "the Spark job ended" + (f" ({_short(outcome['error'])})"
+        return "the Spark job ended" + (f" ({short_error(outcome['error'])})"
                                         if "error" in outcome else "") + \
             "; no Spark task is left to run a worker"
 
@@ -273,7 +273,7 @@ def run_elastic(fn, args=(), kwargs={}, num_proc=None, min_np=None, max_np=None,
                     f"{num_proc} task(s) started within start_timeout={timeout:g} s; the "
                     f"SparkContext's defaultParallelism (task slots) is "
                     f"{sc.defaultParallelism}"
-                    + (f"; the Spark job failed: {_short(outcome['error'])}"
+                    + (f"; the Spark job failed: {short_error(outcome['error'])}"
                        if "error" in outcome else ""))
         return run_function_job(settings, discover, spawn, store, log=stderr,
                                 error_cls=ElasticJobError, abort=spark_job_ended)

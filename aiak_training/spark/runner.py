@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, TextIO
 
 import cloudpickle
 
-from aiak_training.runner import cluster_jobs
+from aiak_training.runner.modes import cluster_jobs
 
 # Horovod's default for start_timeout when HOROVOD_SPARK_START_TIMEOUT is unset.
 DEFAULT_START_TIMEOUT_S = 600
@@ -47,7 +47,7 @@ class SparkRankError(RuntimeError):
 
 
 # ---- driver side: the control server ------------------------------------------------------
-class _Control:
+class RankControl:
     """Collects the tasks' reports: started ranks, output lines, the first failure."""
 
     def __init__(self, num_proc: int, stdout: TextIO, stderr: TextIO, timestamps: bool):
@@ -115,7 +115,7 @@ class _Control:
 
 
 # ---- task side ----------------------------------------------------------------------------
-class _Reporter:
+class Reporter:
     """A task's connection to the driver's control server (JSON lines)."""
 
     def __init__(self, addr: str, port: int, token: str, timeout: float):
@@ -152,7 +152,7 @@ def _die_with_parent_hook():
     return hook
 
 
-def _pump(stream, reporter: _Reporter, rank: int, name: str) -> None:
+def _pump(stream, reporter: Reporter, rank: int, name: str) -> None:
     for raw in iter(stream.readline, b""):
         try:
             reporter.send(kind="line", rank=rank, stream=name,
@@ -162,12 +162,12 @@ def _pump(stream, reporter: _Reporter, rank: int, name: str) -> None:
     stream.close()
 
 
-def _start_rank_process(job: Dict[str, Any], payload_path: str, result_path: str,
-                        env: Dict[str, str], reporter: _Reporter, label) -> tuple:
+def start_rank_process(job: Dict[str, Any], payload_path: str, result_path: str,
+                       env: Dict[str, str], reporter: Reporter, label) -> tuple:
     """Start one rank's fresh Python (``cluster_child``) with its output forwarded under
     ``label``; returns the process and the threads pumping its output."""
     proc = subprocess.Popen(
-        [job["executable"] or sys.executable, "-m", "aiak_training.runner.cluster_child",
+        [job["executable"] or sys.executable, "-m", "aiak_training.runner.modes.cluster_child",
          payload_path, result_path],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
         preexec_fn=_die_with_parent_hook())
@@ -178,7 +178,7 @@ def _start_rank_process(job: Dict[str, Any], payload_path: str, result_path: str
     return proc, pumps
 
 
-def _finish_rank_process(proc, pumps, result_path: str) -> tuple:
+def finish_rank_process(proc, pumps, result_path: str) -> tuple:
     """Wait for the rank's process; ``(exit code, the pickled outcome or None)``."""
     code = proc.wait()
     for t in pumps:
@@ -208,7 +208,7 @@ def _rank_task(job: Dict[str, Any]):
         # The rank imports what this task can import (pyspark's zip, --py-files, ...).
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env["PYTHONUNBUFFERED"] = "1"
-        reporter = _Reporter(job["addr"], job["control_port"], job["token"], job["timeout"])
+        reporter = Reporter(job["addr"], job["control_port"], job["token"], job["timeout"])
         workdir = tempfile.mkdtemp(prefix=f"aiak-spark-rank{rank}-")
         payload_path = os.path.join(workdir, "payload.pkl")
         result_path = os.path.join(workdir, "result.pkl")
@@ -216,8 +216,8 @@ def _rank_task(job: Dict[str, Any]):
             with open(payload_path, "wb") as f:
                 f.write(job["payload"])
             reporter.send(kind="started", rank=rank, time=time.time())
-            code, outcome = _finish_rank_process(
-                *_start_rank_process(job, payload_path, result_path, env, reporter, rank),
+            code, outcome = finish_rank_process(
+                *start_rank_process(job, payload_path, result_path, env, reporter, rank),
                 result_path)
             if code == 0 and outcome is not None:
                 status = cloudpickle.loads(outcome)
@@ -315,7 +315,7 @@ def run(fn, args=(), kwargs={}, num_proc=None, start_timeout=None, use_mpi=None,
     stderr = stderr if stderr is not None else sys.stderr
     driver_host = sc.getConf().get("spark.driver.host") or socket.gethostname()
     store, store_port = cluster_jobs.start_store()
-    control = _Control(num_proc, stdout, stderr, prefix_output_with_timestamp)
+    control = RankControl(num_proc, stdout, stderr, prefix_output_with_timestamp)
     group = f"aiak-spark-{control.token[:12]}"
     job = dict(payload=payload, addr=driver_host, store_port=store_port,
                control_port=control.port,
@@ -376,7 +376,7 @@ def run(fn, args=(), kwargs={}, num_proc=None, start_timeout=None, use_mpi=None,
         runner.join()
         if "error" in outcome:
             raise RuntimeError(f"aiak_training.spark.run: the Spark job failed: "
-                               f"{_short(outcome['error'])}") from outcome["error"]
+                               f"{short_error(outcome['error'])}") from outcome["error"]
         by_rank = dict(outcome["results"])
         return [cloudpickle.loads(by_rank[r]) for r in range(num_proc)]
     except BaseException:
@@ -388,7 +388,9 @@ def run(fn, args=(), kwargs={}, num_proc=None, start_timeout=None, use_mpi=None,
         del store  # stops the rendezvous store
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
+    """The first line of ``exc``'s text that names an exception or error (at most 500
+    characters), for one-line reports of a failed Spark job."""
     text = str(exc)
     for line in text.splitlines():
         if "Exception" in line or "Error" in line:

@@ -31,9 +31,8 @@ from tensorflow.python.ops import control_flow_util
 
 from aiak_training.common.exceptions import HorovodInternalError
 from aiak_training.common.horovod_strings import TENSOR_TYPE_NOT_SUPPORTED
-from aiak_training.tensorflow import _status_op
 from aiak_training.tensorflow.errors import (HorovodPreconditionError, framework_error,
-                                             invalid_argument)
+                                             invalid_argument, status_op_module)
 
 SUPPORTED_DTYPES = frozenset({tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64,
                               tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.bool})
@@ -114,7 +113,7 @@ def _graph_op(label: str, inputs: Sequence[tf.Tensor], compute: Compute,
             "compile. Call it outside the compiled function, or compile with jit_compile="
             "False (Keras: model.compile(..., jit_compile=False)).")
     engine_name: List[str] = []
-    checker = _status_op.module()
+    checker = status_op_module()
 
     def body(*tensors):
         arrays = [to_numpy(t) for t in tensors]

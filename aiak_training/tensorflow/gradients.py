@@ -11,7 +11,8 @@ from typing import Any, Dict, List, Optional, Sequence, Type, Union
 import tensorflow as tf
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.common.groups import fold_num_groups
+from aiak_training.common.grouping import fold_num_groups
+from aiak_training.common.grouping import LocalGradients, group_positions
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow.compression import Compression, Compressor
 from aiak_training.tensorflow.mpi_ops import Average
@@ -38,30 +39,12 @@ def source_key(source) -> object:
 
 def _buckets(present: List[int], variables: Optional[Sequence], groups: Groups
              ) -> List[List[int]]:
-    """Which gradients (positions in ``present`` order) travel together."""
-    if groups is None:
-        return [present]
-    if isinstance(groups, list):
-        if variables is None:
-            raise ValueError("groups given as lists of variables need the variables of the "
-                             "gradients.")
-        where = {source_key(variables[i]): i for i in present}
-        buckets = []
-        for group in groups:
-            bucket = [where.pop(source_key(v)) for v in group if source_key(v) in where]
-            if bucket:
-                buckets.append(sorted(bucket))
-        # A variable in no group travels on its own.
-        return buckets + [[i] for i in present if source_key(variables[i]) in where]
-    # groups consecutive chunks as even as possible; the first ones get the remainder.
-    base, extra = divmod(len(present), groups)
-    buckets, start = [], 0
-    for k in range(groups):
-        end = start + base + (1 if k < extra else 0)
-        if end > start:
-            buckets.append(present[start:end])
-        start = end
-    return buckets
+    """Which gradients (positions in ``present`` order) travel together
+    (:func:`aiak_training.common.grouping.group_positions`)."""
+    if isinstance(groups, list) and variables is None:
+        raise ValueError("groups given as lists of variables need the variables of the "
+                         "gradients.")
+    return group_positions(present, groups, lambda i: source_key(variables[i]), source_key)
 
 
 def allreduce_gradients(gradients: Sequence[Gradient], variables: Optional[Sequence] = None,
@@ -117,11 +100,19 @@ def allreduce_gradients(gradients: Sequence[Gradient], variables: Optional[Seque
     return grads
 
 
+def divide_gradient(grad: Gradient, members: int) -> Gradient:
+    """``grad / members``, keeping ``tf.IndexedSlices`` sparse: the scaling of a local
+    gradient (``scale_local_gradients``)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / members, grad.indices, grad.dense_shape)
+    return grad / members
+
+
 class _DistributedTape:
     """What ``DistributedGradientTape`` adds to the class of the tape it wraps."""
 
     _aiak_options: Dict[str, Any]
-    _local_sources: set
+    _local_sources: LocalGradients
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False):
         """The tape's gradients of ``target`` with respect to ``sources``, combined over
@@ -129,30 +120,16 @@ class _DistributedTape:
         ``scale_local_gradients``).  Same structure as ``sources``."""
         grads = super().gradient(target, sources, output_gradients)
         flat_sources = tf.nest.flatten(sources)
-        flat_grads = tf.nest.flatten(grads)
-        shared = [i for i, s in enumerate(flat_sources) if source_key(s) not in self._local_sources]
-        reduced = allreduce_gradients([flat_grads[i] for i in shared],
-                                      [flat_sources[i] for i in shared],
-                                      use_generic_names=use_generic_names,
-                                      **self._aiak_options)
-        for i, g in zip(shared, reduced):
-            flat_grads[i] = g
-        if self._scale_local_gradients and self._local_sources:
-            members = self._aiak_options["process_set"].size()
-            for i, s in enumerate(flat_sources):
-                g = flat_grads[i]
-                if g is None or source_key(s) not in self._local_sources:
-                    continue
-                if isinstance(g, tf.IndexedSlices):
-                    flat_grads[i] = tf.IndexedSlices(g.values / members, g.indices,
-                                                     g.dense_shape)
-                else:
-                    flat_grads[i] = g / members
+        flat_grads = self._local_sources.combine(
+            tf.nest.flatten(grads), flat_sources,
+            lambda shared, where: allreduce_gradients(
+                shared, where, use_generic_names=use_generic_names, **self._aiak_options),
+            divide_gradient, self._aiak_options["process_set"].size)
         return tf.nest.pack_sequence_as(sources, flat_grads)
 
     def register_local_source(self, source) -> None:
         """Keep ``source``'s gradient local to this rank (it is not combined)."""
-        self._local_sources.add(source_key(source))
+        self._local_sources.add(source)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None,
                                        use_generic_names=False):
@@ -163,7 +140,7 @@ class _DistributedTape:
                                               use_generic_names))
         local, shared = [], []
         for s, g in zip(flat_sources, grads):
-            (local if source_key(s) in self._local_sources else shared).append((s, g))
+            (local if s in self._local_sources else shared).append((s, g))
         return local, shared
 
 
@@ -200,8 +177,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = '',
                               compression=compression, sparse_as_dense=sparse_as_dense,
                               op=op, gradient_predivide_factor=gradient_predivide_factor,
                               groups=groups, process_set=process_set)
-    tape._local_sources = set()
-    tape._scale_local_gradients = scale_local_gradients
+    tape._local_sources = LocalGradients(source_key, scale_local_gradients)
     return tape
 
 

@@ -21,6 +21,6 @@ from aiak_training.torch.mpi_ops import (Adasum, Average, Max, Min, Product, Sum
                                          reducescatter_async, remove_process_set, rocm_built,
                                          shutdown, size, sparse_allreduce_async,
                                          start_timeline, stop_timeline, synchronize)
-from aiak_training.torch.optimizer import DistributedOptimizer  # noqa: F401
+from aiak_training.torch.optim import DistributedOptimizer  # noqa: F401
 from aiak_training.torch.sync_batch_norm import SyncBatchNorm  # noqa: F401
 from aiak_training.torch import elastic  # noqa: F401,E402 - hvd.elastic, as in Horovod

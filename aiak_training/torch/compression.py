@@ -10,7 +10,7 @@ entry-point group of their distribution, and ``hvd.Compression.<name>`` loads th
 use.  The frontend therefore never imports them, and third parties can add their own.
 """
 from importlib import metadata
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
 
 import torch
 
@@ -100,3 +100,14 @@ class Compression(metaclass=_Catalogue):
     def algorithms(cls) -> List[str]:
         """Names of the built-in algorithms and of the installed plugins."""
         return ["none", "fp16"] + sorted(_plugins())
+
+
+def run_compressed(compression: Type[Compressor], tensors: Sequence[torch.Tensor],
+                   collective: Callable[[List[torch.Tensor]], Sequence[torch.Tensor]]
+                   ) -> List[torch.Tensor]:
+    """Run ``collective`` on the compressed ``tensors``; return its results decompressed."""
+    if not tensors:
+        raise ValueError("Expected at least one tensor.")
+    encoded = [compression.compress(t) for t in tensors]
+    results = collective([wire for wire, _ in encoded])
+    return [compression.decompress(r, meta) for r, (_, meta) in zip(results, encoded)]

@@ -46,9 +46,9 @@ def broadcast_parameters(params, root_rank: int) -> None:
     A collective: every rank must call it, or the others wait for it (by default the job
     then stops with a deadlock error naming this function).
     """
-    sharded = sys.modules.get("aiak_training.torch.sharded")
-    if sharded is not None:  # a sharded optimizer's allgather in flight would overwrite them
-        sharded.wait_for_all_parameters()
+    gather = sys.modules.get("aiak_training.torch.optim.sharded.gather")
+    if gather is not None:  # a sharded optimizer's allgather in flight would overwrite them
+        gather.wait_for_all_parameters()
     handles = [broadcast_async_(value, root_rank, name)
                for name, value in _as_named(params) if torch.is_tensor(value)]
     for handle in handles:

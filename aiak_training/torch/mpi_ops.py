@@ -1,7 +1,8 @@
 """Collective operations on torch tensors (the ``horovod.torch.mpi_ops`` API).
 
 Thin adapters: a tensor becomes (address, dtype, shape) for the engine, and the engine's
-completion becomes a tensor again.  No framework C++ is involved.
+completion becomes a tensor again.  No framework C++ is involved.  Handing tensors to the
+engine, the handles and :func:`synchronize` are in ``submission.py``.
 
 What holds for every collective below, so that each docstring can stay short:
 
@@ -33,31 +34,20 @@ from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank
                                          mpi_threads_supported, nccl_built, rank,
                                          remove_process_set, rocm_built, shutdown, size,
                                          start_timeline, stop_timeline)
-from aiak_training.common.dtypes import (Adasum, Average, DataType, Max, Min,  # noqa: F401
+from aiak_training.common.dtypes import (Adasum, Average, Max, Min,  # noqa: F401
                                          Product, ReduceOp, Sum,
                                          handle_average_backwards_compatibility)
-from aiak_training.common.horovod_strings import TENSOR_TYPE_NOT_SUPPORTED
 from aiak_training.runtime import array_ops
-from aiak_training.runtime.entries import TensorEntry, unknown_handle
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
-from aiak_training.common.messages import OpType, Request
+from aiak_training.common.messages import OpType
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
-from aiak_training.torch.compression import Compression, Compressor
-from aiak_training.torch import cuda as _cuda
+from aiak_training.torch.compression import Compression, Compressor, run_compressed
 from aiak_training.torch import output_pool
-
-
-_DTYPES = {
-    torch.uint8: DataType.UINT8, torch.int8: DataType.INT8, torch.int16: DataType.INT16,
-    torch.int32: DataType.INT32, torch.int64: DataType.INT64, torch.float16: DataType.FLOAT16,
-    torch.bfloat16: DataType.BFLOAT16, torch.float32: DataType.FLOAT32,
-    torch.float64: DataType.FLOAT64, torch.bool: DataType.BOOL,
-}
-
-# handle -> function turning the engine's result into the user's return value
-_handle_map: Dict[int, Callable[[Any], Any]] = {}
-# user handle of a CUDA operation -> all its engine handles (poll also asks the device)
-_gpu_handles: Dict[int, List[int]] = {}
+from aiak_training.torch.submission import (_allocator, _check_op, _check_tensor,
+                                            _contiguous_inplace, _handle_map, _name, _submit,
+                                            _submit_allreduces, _submit_host_allreduce,
+                                            _allgather_into, _reducescatter_into,
+                                            barrier, join, poll, synchronize)  # noqa: F401
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -69,112 +59,6 @@ def init(comm=None, process_sets=None) -> None:
 
 
 init.__doc__ = _basics.init.__doc__
-
-
-# ---- helpers ------------------------------------------------------------------------------
-def _dtype(tensor: torch.Tensor) -> DataType:
-    dt = _DTYPES.get(tensor.dtype)
-    if dt is None:
-        raise ValueError(TENSOR_TYPE_NOT_SUPPORTED.format(tensor.dtype))
-    return dt
-
-
-def _check_tensor(tensor: torch.Tensor) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"Expected a torch.Tensor, got {type(tensor).__name__}.")
-    if not (tensor.is_cpu or tensor.is_cuda):
-        raise ValueError(f"Tensor device {tensor.device} is not supported: aiak_training "
-                         "works on CPU and CUDA tensors.")
-    if tensor.is_sparse:
-        raise ValueError("Sparse tensors are not supported by this op; use "
-                         "sparse_allreduce_async or sparse_as_dense=True.")
-
-
-_REDUCE_OPS = {int(rop): rop for rop in ReduceOp}
-
-
-def _check_op(op: int, tensor: torch.Tensor) -> ReduceOp:
-    try:
-        rop = _REDUCE_OPS[op]  # what ReduceOp(op) accepts, by one dict lookup
-    except (KeyError, TypeError):
-        raise ValueError(f"Unknown reduce op {op!r}.") from None
-    if rop == ReduceOp.ADASUM:
-        array_ops.check_adasum_dtype(_dtype(tensor), tensor.dtype)
-        if tensor.is_cuda:
-            raise NotImplementedError("Adasum runs on CPU tensors only in aiak_training; move "
-                                      "the tensor to the CPU (tensor.cpu()) to reduce it.")
-    if tensor.dtype == torch.bool and rop == ReduceOp.AVERAGE:
-        raise ValueError("Average is not supported for bool tensors; use Sum/Max (logical or) "
-                         "or Min/Product (logical and).")
-    return rop
-
-
-def _name(prefix: str, name: Optional[str]) -> array_ops.Names:
-    """Names of a single-tensor op: ``<prefix>.<name>``, or generated (see ``Names``)."""
-    return array_ops.Names(prefix, f"{prefix}.{name}" if name else None)
-
-
-def _submit(op_type: OpType, pairs: List[Tuple[torch.Tensor, Optional[torch.Tensor]]],
-            names: array_ops.Names, process_set: ProcessSet, finish: Callable[[List[Any]], Any],
-            allocate: Optional[Callable[[int], Callable]] = None, **fields) -> int:
-    """Enqueue one request per (input, output) pair; return a single user handle."""
-    if not pairs:
-        raise ValueError("Expected at least one tensor.")
-    engine = current.engine()
-    set_rank = array_ops.set_rank(process_set, engine)
-    dtypes = [_dtype(inp) for inp, _ in pairs]  # all valid before a name is taken
-    on_gpu = _on_gpu([inp for inp, _ in pairs])
-    names = names.resolve(len(pairs), process_set.process_set_id)
-    requests, entries = [], []
-    device, stream, event = -1, None, 0
-    if on_gpu:  # one device, one producer stream and one ready event for the whole call
-        device, stream, event = _cuda.ready([inp for inp, _ in pairs])
-    cuda_stream = int(stream.cuda_stream) if on_gpu else 0
-    for i, ((inp, out), name, dt) in enumerate(zip(pairs, names, dtypes)):
-        shape = tuple(inp.shape)
-        # Positional arguments: this runs once per tensor per step.
-        requests.append(Request(set_rank, name, op_type, int(dt), shape, device=device,
-                                **fields))
-        entries.append(TensorEntry(name, dt, shape, inp.data_ptr(),
-                                   out.data_ptr() if out is not None else 0,
-                                   allocate(i, stream) if allocate else None,
-                                   (inp, out), device, cuda_stream, event))
-    handles = engine.enqueue(process_set.process_set_id, requests, entries)
-    user_handle = handles[0]
-
-    def complete():
-        done = [engine.wait(h) for h in handles]
-        if on_gpu:
-            # The engine's stream may still be working: the consumer's stream waits for it.
-            # Until then the inputs stay referenced here, so their memory is not reused.
-            _cuda.consume(device, [h.event for h in done], stream)
-            del pairs[:]
-        return finish([h.result for h in done])
-    _handle_map[user_handle] = complete
-    if on_gpu:
-        _gpu_handles[user_handle] = handles
-    return user_handle
-
-
-def _on_gpu(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the tensors of one call are CUDA tensors; a clear error if they mix devices."""
-    on_gpu = tensors[0].is_cuda
-    if len(tensors) > 1:
-        other = next((t for t in tensors if t.is_cuda != on_gpu), None)
-        if other is not None:
-            raise ValueError(f"A grouped operation takes tensors on one device: got "
-                             f"{tensors[0].device} and {other.device} tensors mixed in one "
-                             "call. Move them to one device first.")
-    return on_gpu
-
-
-def _contiguous_inplace(tensor: torch.Tensor) -> Tuple[torch.Tensor, Callable[[], None]]:
-    """A contiguous working copy for in-place ops on non-contiguous tensors, and a copy-back."""
-    if tensor.is_contiguous():
-        return tensor, lambda: None
-    work = tensor.contiguous()
-    return work, lambda: tensor.copy_(work)
-
 
 
 # ---- autograd -----------------------------------------------------------------------------
@@ -308,17 +192,6 @@ def _reducescatter_grad_scale(grad: torch.Tensor, op: int, scale: float,
     return grad * scale if scale != 1.0 else grad
 
 
-def _compressed(compression: Type[Compressor], tensors: Sequence[torch.Tensor],
-                collective: Callable[[List[torch.Tensor]], Sequence[torch.Tensor]]
-                ) -> List[torch.Tensor]:
-    """Run ``collective`` on the compressed ``tensors``; return its results decompressed."""
-    if not tensors:
-        raise ValueError("Expected at least one tensor.")
-    encoded = [compression.compress(t) for t in tensors]
-    results = collective([wire for wire, _ in encoded])
-    return [compression.decompress(r, meta) for r, (_, meta) in zip(results, encoded)]
-
-
 # ---- allreduce ----------------------------------------------------------------------------
 def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor],
                      names: array_ops.Names, op: int, prescale_factor: float, postscale_factor: float,
@@ -335,71 +208,6 @@ def _allreduce_async(tensors: List[torch.Tensor], outputs: List[torch.Tensor],
                                       postscale_factor, process_set, finish)
     return _submit_allreduces(tensors, outputs, names, rop, prescale_factor, postscale_factor,
                               process_set, finish)
-
-
-def _submit_host_allreduce(src: torch.Tensor, out: torch.Tensor, names: array_ops.Names,
-                           rop: ReduceOp, prescale_factor: float, postscale_factor: float,
-                           process_set: ProcessSet, finish) -> int:
-    """One CPU tensor: the per-tensor hot path (no Request/TensorEntry objects built)."""
-    engine = current.engine()
-    set_id = process_set.process_set_id
-    set_rank = engine.rank_in_set(set_id)
-    if set_rank is None:
-        set_rank = array_ops.set_rank(process_set, engine)  # raises the right error
-    dt = _dtype(src)
-    (name,) = names.resolve(1, set_id)
-    handle = engine.submit_allreduce(set_id, set_rank, name, int(dt), tuple(src.shape),
-                                     src.data_ptr(), out.data_ptr(), int(rop),
-                                     float(prescale_factor), float(postscale_factor), (src, out))
-    wait = engine.wait_result
-    _handle_map[handle] = lambda: finish([wait(handle)])
-    return handle
-
-
-def _submit_allreduces(srcs: List[torch.Tensor], outs: List[torch.Tensor],
-                       names: array_ops.Names, rop: ReduceOp, prescale_factor: float,
-                       postscale_factor: float, process_set: ProcessSet, finish) -> int:
-    """The allreduces of one call other than a lone CPU tensor: one list per field to the
-    engine and no Request/TensorEntry objects; for CUDA tensors one ready event for the call,
-    and one wait for all its handles at synchronize."""
-    engine = current.engine()
-    set_id = process_set.process_set_id
-    set_rank = engine.rank_in_set(set_id)
-    if set_rank is None:
-        set_rank = array_ops.set_rank(process_set, engine)  # raises the right error
-    dtypes = [int(_dtype(t)) for t in srcs]  # all valid before a name is taken
-    on_gpu = _on_gpu(srcs)
-    shapes = [tuple(t.shape) for t in srcs]
-    ins = [t.data_ptr() for t in srcs]
-    outputs = [t.data_ptr() for t in outs]
-    names = names.resolve(len(srcs), set_id)
-    pre, post = float(prescale_factor), float(postscale_factor)
-    if not on_gpu:
-        handles = engine.submit_allreduces(set_id, set_rank, names, dtypes, shapes, ins,
-                                           outputs, int(rop), pre, post, (srcs, outs))
-        wait_all = engine.wait_all
-        _handle_map[handles[0]] = lambda: finish(wait_all(handles)[0])
-        return handles[0]
-    # One device, one producer stream and one ready event for the whole call.
-    device, stream, event = _cuda.ready(srcs)
-    held = [srcs, outs]
-    try:
-        handles = engine.submit_allreduces(set_id, set_rank, names, dtypes, shapes, ins,
-                                           outputs, int(rop), pre, post, held, device, event)
-    except BaseException:
-        _cuda.give_back(event, len(srcs))
-        raise
-
-    def complete():
-        results, events = engine.wait_all(handles)
-        # The engine's stream may still be working: the consumer's stream waits for it.
-        # Until then the inputs stay referenced here, so their memory is not reused.
-        _cuda.consume(device, events, stream)
-        held.clear()
-        return finish(results)
-    _handle_map[handles[0]] = complete
-    _gpu_handles[handles[0]] = handles
-    return handles[0]
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None,
@@ -447,8 +255,8 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     default).  Differentiable: the gradient is reduced with the same ``op`` and factors.
     """
     opts = _reduce_options(average, op, prescale_factor, postscale_factor, process_set)
-    return _compressed(compression, [tensor],
-                       lambda wire: [_Allreduce.apply(False, name, opts, *wire)])[0]
+    return run_compressed(compression, [tensor],
+                          lambda wire: [_Allreduce.apply(False, name, opts, *wire)])[0]
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -513,8 +321,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] =
     """Blocking, differentiable :func:`grouped_allreduce_async`, with ``compression`` as in
     :func:`allreduce`; returns a list of new tensors in input order."""
     opts = _reduce_options(average, op, prescale_factor, postscale_factor, process_set)
-    return _compressed(compression, tensors,
-                       lambda wire: _Allreduce.apply(True, name, opts, *wire))
+    return run_compressed(compression, tensors,
+                          lambda wire: _Allreduce.apply(True, name, opts, *wire))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -554,20 +362,6 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
 
 
 # ---- allgather ----------------------------------------------------------------------------
-def _allocator(outputs: List[Optional[torch.Tensor]], like: List[torch.Tensor]):
-    """Allocators for outputs whose shape the engine learns in negotiation; ``stream`` is the
-    submitting stream of a CUDA tensor (None on the CPU)."""
-    def make(i: int, stream=None):
-        def allocate(shape):
-            if stream is None:
-                outputs[i] = output_pool.pool.empty(shape, like[i].dtype)
-            else:
-                outputs[i] = _cuda.empty_on_stream(shape, like[i].dtype, stream)
-            return outputs[i].data_ptr()
-        return allocate
-    return make
-
-
 def _allgather_async(tensors, names, process_set, finish) -> int:
     srcs = []
     for t in tensors:
@@ -581,12 +375,18 @@ def _allgather_async(tensors, names, process_set, finish) -> int:
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+                    process_set: ProcessSet = global_process_set,
+                    out: Optional[torch.Tensor] = None) -> int:
     """Start collecting ``tensor`` from every member of ``process_set``; returns a handle.
 
     ``synchronize`` returns a new tensor: the members' tensors stacked along dimension 0 in
-    rank order.  They must agree in dtype and in every dimension but the first.
+    rank order.  They must agree in dtype and in every dimension but the first.  With a flat
+    ``out`` (not in Horovod), every member passes a flat tensor of one size, and the result
+    is written into the first ``size * tensor.numel()`` elements of ``out``, the view that
+    ``synchronize`` returns; ``tensor`` may be this rank's own block of ``out``.
     """
+    if out is not None:
+        return _allgather_into(tensor, out, _name("allgather", name), process_set)
     return _allgather_async([tensor], _name("allgather", name), process_set,
                             lambda outs: outs[0])
 
@@ -737,14 +537,20 @@ def _reducescatter_async(tensors, names, op, prescale_factor, postscale_factor, 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
                         process_set: ProcessSet = global_process_set,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        out: Optional[torch.Tensor] = None) -> int:
     """Start reducing ``tensor`` over ``process_set`` with ``op``, each member keeping one
     block of rows of the result; returns a handle.
 
     Blocks follow rank order along dimension 0; when the rows do not divide evenly, the
     lowest ranks get one more row each.  All members pass the same shape and dtype.
-    ``tensor`` is left alone: ``synchronize`` returns this rank's block as a new tensor.
+    ``tensor`` is left alone: ``synchronize`` returns this rank's block as a new tensor, or
+    (with ``out``, not in Horovod; a flat contiguous ``tensor`` that divides evenly) writes
+    it into ``out`` and returns ``out``.
     """
+    if out is not None:
+        return _reducescatter_into(tensor, out, _name("reducescatter", name), op,
+                                   prescale_factor, postscale_factor, process_set)
     return _reducescatter_async([tensor], _name("reducescatter", name), op, prescale_factor,
                                 postscale_factor, process_set, lambda outs: outs[0])
 
@@ -760,8 +566,8 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None,
     """
     opts = {"op": op, "process_set": process_set, "prescale_factor": prescale_factor,
             "postscale_factor": postscale_factor}
-    return _compressed(compression, [tensor],
-                       lambda wire: [_Reducescatter.apply(False, name, opts, *wire)])[0]
+    return run_compressed(compression, [tensor],
+                          lambda wire: [_Reducescatter.apply(False, name, opts, *wire)])[0]
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
@@ -784,54 +590,5 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] =
     :func:`reducescatter`); returns a list in input order."""
     opts = {"op": op, "process_set": process_set, "prescale_factor": prescale_factor,
             "postscale_factor": postscale_factor}
-    return _compressed(compression, tensors,
-                       lambda wire: _Reducescatter.apply(True, name, opts, *wire))
-
-
-# ---- control ------------------------------------------------------------------------------
-def poll(handle: int) -> bool:
-    """True once the operation behind ``handle`` is done (for CUDA tensors, on the device
-    too), so that :func:`synchronize` will not block."""
-    engine = current.engine()
-    if handle not in _gpu_handles:
-        return engine.poll(handle)
-    # Every tensor of the op is enqueued, and the device has finished all of them.
-    handles = _gpu_handles[handle]
-    return all(engine.poll(h) for h in handles) and \
-        all(_cuda.event_done(e) for e in {engine.handle_event(h) for h in handles})
-
-
-def synchronize(handle: int) -> Any:
-    """Wait for the operation behind ``handle`` and return its result: a tensor, or a tuple
-    for grouped operations and alltoall.  A handle can be synchronized once: after that, or
-    for a handle this process never issued, it raises ``ValueError``, as :func:`poll` does."""
-    finish = _handle_map.pop(handle, None)
-    _gpu_handles.pop(handle, None)
-    if finish is None:
-        raise unknown_handle(handle)
-    return finish()
-
-
-def join(device: int = -1) -> int:
-    """Say that this rank has no more data, and wait until every rank has said so.
-
-    Meanwhile the collectives the other ranks still issue go ahead, with this rank taking
-    part with zeros.  ``device`` is the GPU those zeros are made on; -1 picks the GPU this
-    rank used last, or the CPU.  Returns the rank that joined last.
-    """
-    if device is None or device < 0:
-        device = _cuda.used_device()
-    if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        device = torch.cuda.current_device()  # a rank that joins before any GPU op
-    if device is not None and device >= 0:
-        # Zeros for GPU collectives that run while this rank has joined go on this device.
-        current.engine().join_device = int(device)
-    return int(current.engine().run_control(0, OpType.JOIN, "join"))
-
-
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every member of ``process_set`` (all ranks by default) has called
-    barrier."""
-    engine = current.engine()
-    array_ops.set_rank(process_set, engine)  # raises for a set this rank is not in
-    engine.run_control(process_set.process_set_id, OpType.BARRIER, "barrier")
+    return run_compressed(compression, tensors,
+                          lambda wire: _Reducescatter.apply(True, name, opts, *wire))

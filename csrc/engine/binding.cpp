@@ -197,6 +197,20 @@ EngineConfig make_config(const py::dict& d) {
   return c;
 }
 
+MpiTuning mpi_tuning(const py::dict& d) {
+  MpiTuning t;
+  auto get = [&](const char* key, double fallback) {
+    return d.contains(key) ? d[key].cast<double>() : fallback;
+  };
+  t.ring_min_bytes = static_cast<int64_t>(get("ring_min_bytes", double(t.ring_min_bytes)));
+  t.segment_bytes = static_cast<int64_t>(get("ring_segment_bytes", double(t.segment_bytes)));
+  t.window = static_cast<int>(get("ring_window", t.window));
+  t.ring_on_one_host = get("ring_on_one_host", 0) != 0;
+  t.wait.spin_us = get("wait_spin_us", t.wait.spin_us);
+  t.wait.longest_sleep_us = get("wait_sleep_us", t.wait.longest_sleep_us);
+  return t;
+}
+
 void copy_error(const std::string& text, char* out, size_t len) {
   if (out == nullptr || len == 0) return;
   std::strncpy(out, text.c_str(), len - 1);
@@ -228,14 +242,16 @@ void register_engine(py::module_& m) {
              // its collectives is given (runtime/transport/gloo_calls.py).
              auto transport = gloo.is_none()
                                   ? bind_mpi(config["handle_bytes"].cast<int>(),
-                                             config["in_place"].cast<int64_t>())
+                                             config["in_place"].cast<int64_t>(),
+                                             mpi_tuning(config))
                                   : python_transport(gloo);
              return new Engine(make_config(config), make_lane(std::move(lane)),
                                std::move(transport));
            }),
            py::arg("config"), py::arg("lane"), py::arg("gloo") = py::none())
       .def("add_set", &Engine::add_set, py::arg("set_id"), py::arg("comm"), py::arg("rank"),
-           py::arg("size"), py::arg("flat"), py::call_guard<py::gil_scoped_release>())
+           py::arg("size"), py::arg("flat"), py::arg("one_host") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def("set_flat", &Engine::set_flat, py::arg("set_id"), py::arg("flat"),
            py::call_guard<py::gil_scoped_release>())
       .def("remove_set", &Engine::remove_set, py::arg("set_id"), py::arg("why"),
@@ -380,6 +396,7 @@ void register_engine(py::module_& m) {
            py::arg("error") = "", py::arg("event") = 0, py::call_guard<py::gil_scoped_release>())
       .def("abandon", &Engine::abandon, py::call_guard<py::gil_scoped_release>())
       .def("counts", &Engine::counts, py::call_guard<py::gil_scoped_release>())
+      .def("progress_counters", &Engine::progress_counters)
       .def("in_flight", &Engine::in_flight, py::call_guard<py::gil_scoped_release>())
       .def("set_rank", &Engine::set_rank, py::call_guard<py::gil_scoped_release>())
       .def("fatal", &Engine::fatal, py::call_guard<py::gil_scoped_release>())

@@ -370,6 +370,7 @@ NegotiationResult Controller::negotiate(std::vector<Request> new_requests, const
       origin_of_.erase(name);
     }
   result.progress = !result.responses.empty() || (g_flags & kFresh) || !(g_flags & kPending);
+  result.pending_anywhere = !result.responses.empty() || (g_flags & (kFresh | kPending));
   return result;
 }
 

@@ -89,6 +89,8 @@ struct NegotiationResult {
   // Agreed by every rank: something was submitted or completed, or nothing is in flight
   // anywhere.  The engine slows its cycle down while this stays false (engine.cpp).
   bool progress = false;
+  // Agreed by every rank: some rank has a collective in flight (or one just ran).
+  bool pending_anywhere = false;
 };
 
 // A rank's pending tensors in a stall or deadlock report: (name, library helper or "").

@@ -1,6 +1,8 @@
 // The engine's C++ thread, queues, handles and host data path (see engine.h).
 #include "engine/engine.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -65,13 +67,15 @@ Engine::~Engine() {
 }
 
 // ---- process sets ---------------------------------------------------------------------------
-void Engine::add_set(int set_id, TransportHandle comm, int rank, int size, bool flat) {
+void Engine::add_set(int set_id, TransportHandle comm, int rank, int size, bool flat,
+                     bool one_host) {
   auto state = std::make_shared<SetState>();
   state->id = set_id;
   state->rank = rank;
   state->size = size;
   state->comm = comm;
   state->flat = flat;
+  transport_->set_one_host(comm, one_host);
   // Only the global set, which every rank negotiates every cycle, decides on a deadlock: a
   // subset whose members all wait may be waiting for a rank outside it that still works.
   state->controller = std::make_unique<Controller>(
@@ -132,6 +136,8 @@ std::string Engine::fatal() const {
 }
 
 void Engine::run() {
+  // Named, so that its CPU time can be told apart in /proc/<pid>/task (benchmarks, top -H).
+  pthread_setname_np(pthread_self(), "aiak-engine");
   std::string reason = config_.shut_down;
   try {
     std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
@@ -160,18 +166,29 @@ void Engine::run() {
       // negotiate nothing, a round trip every peer must join (over Gloo a Python call and a
       // wake-up of Gloo's threads, competing with the frontend that takes its results).
       if (idle) waiter_blocked_ = false;
-      parked_ = config_.idle_park_s > pause && idle;
+      // Park only when no rank has anything in flight: a peer's work (in any process set)
+      // needs this rank's next negotiation.  A waiter ends the park; a submission shortens it.
+      parked_ = config_.idle_park_s > pause && idle && !pending_anywhere_;
       if (parked_) pause = config_.idle_park_s;
       // A backed-off pause counts from the end of the cycle, not its start: the cycle's
       // negotiation just synchronized the ranks, so they all wake together.  Counted from
       // the start, a rank that once arrived early (and polled in the collective until its
       // peers came) would stay early by as much, and poll as long, every cycle.
-      double remaining = backing_off_ ? pause : pause - (monotonic_now() - started);
-      if (remaining > 0 && !shutdown_requested_) {
-        wake_cv_.wait_for(lock, std::chrono::duration<double>(remaining),
-                          [this] { return shutdown_requested_.load() || waiter_blocked_; });
+      const double until = (backing_off_ ? monotonic_now() : started) + pause;
+      while (!shutdown_requested_ && !waiter_blocked_) {
+        // Work submitted during a park or back-off gets a normal cycle's window to gather
+        // the tensors that follow it (a backward pass submits them one by one), no longer.
+        double end = until;
+        if (submitted_at_ > 0) end = std::min(end, submitted_at_ + cycle_time_s.load());
+        double remaining = end - monotonic_now();
+        if (remaining <= 0) break;
+        const bool known = submitted_at_ > 0;
+        wake_cv_.wait_for(lock, std::chrono::duration<double>(remaining), [&] {
+          return shutdown_requested_.load() || waiter_blocked_ || (!known && submitted_at_ > 0);
+        });
       }
       waiter_blocked_ = parked_ = backing_off_ = false;
+      submitted_at_ = 0;
       lock.unlock();
     }
   } catch (const std::exception& exc) {
@@ -256,6 +273,7 @@ bool Engine::cycle(std::string* why, bool* deadlock) {
       moved_elsewhere_ = false;
     }
     auto result = set->controller->negotiate(std::move(fresh), local, monotonic_now());
+    if (set->id == 0) ++negotiations_;
     if (!result.stall_report.empty()) {
       std::string msg = lane_("stall", set->id, &result.stall_report);
       if (!msg.empty()) throw std::runtime_error(msg);
@@ -266,6 +284,7 @@ bool Engine::cycle(std::string* why, bool* deadlock) {
       return true;
     }
     if (set->id == 0 && (result.progress || quiet_since_ == 0)) quiet_since_ = monotonic_now();
+    if (set->id == 0) pending_anywhere_ = result.pending_anywhere;
     if (set->id != 0 && !result.responses.empty()) moved_elsewhere_ = true;
     {
       // Before anything completes: a waiter that reads counts() then sees this cycle's.
@@ -337,8 +356,11 @@ std::vector<int64_t> Engine::enqueue(int set_id, std::vector<Request> requests,
     if (!origin.empty())
       for (auto& r : requests) r.origin = origin;
     last_activity_ = monotonic_now();
-    // A backed-off cycle would hold this rank's new work for up to its longer pause.
-    if (backing_off_) wake_for_waiter_locked();
+    // A backed-off or parked cycle would hold this rank's new work for its longer pause.
+    if ((backing_off_ || parked_) && submitted_at_ == 0) {
+      submitted_at_ = monotonic_now();
+      wake_cv_.notify_one();
+    }
     for (size_t i = 0; i < entries.size(); ++i) {
       const std::string& name = entries[i].name;
       bool repeated = set.entries.count(name) > 0;
@@ -552,6 +574,11 @@ std::map<std::string, int64_t> Engine::counts() const {
   return out;
 }
 
+std::map<std::string, int64_t> Engine::progress_counters() const {
+  return {{"negotiations", negotiations_.load()},
+          {"ring_allreduces", transport_->ring_allreduces.load()}};
+}
+
 std::vector<std::tuple<int, std::string, int64_t>> Engine::in_flight() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::tuple<int, std::string, int64_t>> out;
@@ -730,8 +757,8 @@ void Engine::reduce_host(SetState& set, uintptr_t addr, int64_t count, int32_t d
   int item = itemsize(dtype);
   for (int64_t off = 0; off < count; off += kMaxCount) {
     int n = static_cast<int>(std::min(kMaxCount, count - off));
-    transport_->allreduce(transport_->in_place, reinterpret_cast<void*>(addr + off * item), n,
-                    config_.dtypes[dtype], mop, set.comm);
+    transport_->reduce_in_place(reinterpret_cast<void*>(addr + off * item), n,
+                                config_.dtypes[dtype], mop, set.comm);
   }
 }
 

@@ -125,7 +125,10 @@ class Engine {
   Engine(EngineConfig config, Lane lane, std::unique_ptr<Transport> transport);
   ~Engine();
 
-  void add_set(int set_id, TransportHandle comm, int rank, int size, bool flat);
+  // `one_host`: every rank of the set is on this host (the transport may choose its
+  // algorithms by it: mpi.cpp).
+  void add_set(int set_id, TransportHandle comm, int rank, int size, bool flat,
+               bool one_host = false);
   bool remove_set(int set_id, const std::string& why);
   // Switches a set between the native flat allreduce and the lane's algorithms (autotune).
   // Safe only while the set has no allreduce in flight; false if the set is unknown.
@@ -154,6 +157,9 @@ class Engine {
 
   int64_t handle_of(int set_id, const std::string& name) const;
   std::map<std::string, int64_t> counts() const;
+  // Counters that grow as the engine works (unlike counts()): negotiations of the global
+  // set and allreduces run as the transport's own ring.
+  std::map<std::string, int64_t> progress_counters() const;
   // (set id, name, bytes) of every tensor submitted and not yet completed.
   std::vector<std::tuple<int, std::string, int64_t>> in_flight() const;
   double cycle_started() const { return cycle_started_.load(); }
@@ -239,6 +245,9 @@ class Engine {
   std::string fatal_;
   mutable bool waiter_blocked_ = false;  // a waiter found its handle pending: skip the pause
   bool parked_ = false;                  // the thread is in an idle park (under mu_)
+  std::atomic<int64_t> negotiations_{0};  // of the global set, since start
+  bool pending_anywhere_ = true;
+  double submitted_at_ = 0;  // the first submission during a park or back-off (under mu_)  // engine thread: the last global negotiation's verdict
   bool backing_off_ = false;             // the pause is longer than the cycle (under mu_)
   // The deadlock check's view of this rank (under mu_): threads blocked on a pending
   // handle, since when one has been, and the last submission or completion.

@@ -7,6 +7,7 @@
 // integers the Python side maps to its communicators, element types and reductions for Gloo.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -45,12 +46,24 @@ class Transport {
   virtual void gatherv(const void* send, int scount, TransportHandle sdtype, void* recv,
                        const int* rcounts, const int* displs, TransportHandle rdtype, int root,
                        TransportHandle comm) = 0;
+  // The data path's allreduce, in place: the transport's own algorithm where it has one for
+  // this size (MPI: the ring of mpi.cpp), otherwise allreduce().  The negotiation's small
+  // collectives call allreduce() directly.
+  virtual void reduce_in_place(void* buf, int count, TransportHandle dtype, TransportHandle op,
+                               TransportHandle comm) {
+    allreduce(in_place, buf, count, dtype, op, comm);
+  }
+  // Every rank of `comm` is on this host (true), or not: the transport may choose its
+  // algorithms and its way of waiting by it.
+  virtual void set_one_host(TransportHandle comm, bool one_host) {}
   virtual TransportHandle op_create(UserFunction fn, bool commute) = 0;
   virtual void op_free(TransportHandle op) = 0;
   // True when the transport reduces float16/bfloat16 with its built-in ops (no op_create).
   virtual bool reduces_halves() const { return false; }
   // The "in place" sentinel allreduce's `send` may be.
   void* in_place = nullptr;
+  // Allreduces run as the transport's own ring (mpi.cpp), for tests and tuning.
+  std::atomic<int64_t> ring_allreduces{0};
 };
 
 }  // namespace engine

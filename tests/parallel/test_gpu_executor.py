@@ -17,7 +17,7 @@ from aiak_training.runtime.entries import TensorEntry
 from aiak_training.runtime import gpu_executor
 from aiak_training.common.gpu import kernels, nccl
 from aiak_training.common.messages import OpType, Request
-from aiak_training.torch.mpi_ops import _DTYPES
+from aiak_training.torch.submission import _DTYPES
 from gpu_fakes import FakeCommunicator, FakeLibrary, FakeRuntime
 from helpers import (FLOAT_TYPES, INT_TYPES, cast_like, my_reducescatter_block, rank_data,
                      reference_reduce)

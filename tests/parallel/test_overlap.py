@@ -15,8 +15,8 @@ import torch
 import aiak_training.torch as hvd
 from aiak_training.runtime import current
 from aiak_training.fused_optim import FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
-from aiak_training.torch import overlap as ov
-from aiak_training.torch.optimizer import GRAD_SCALER_BEFORE_SYNC
+from aiak_training.torch.optim import overlap as ov
+from aiak_training.torch.optim.allreduce import GRAD_SCALER_BEFORE_SYNC
 
 STEPS = 20
 

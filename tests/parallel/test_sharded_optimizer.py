@@ -20,7 +20,7 @@ import torch
 
 import aiak_training.torch as hvd
 from aiak_training.fused_optim import FusedAdam, FusedAdamW, FusedLAMB, FusedSGD
-from aiak_training.torch import sharded
+from aiak_training.torch.optim import sharded
 
 STEPS = int(os.environ.get("AIAK_SHARDED_TEST_STEPS", "12"))
 
@@ -211,14 +211,14 @@ def test_gradient_clipping_by_global_norm():
 
 
 def test_lamb_norms_are_one_batched_allreduce_per_step(monkeypatch):
-    from aiak_training.torch import sharded_lamb
+    from aiak_training.torch.optim.sharded import step as sharded_step
     calls = []
-    real = sharded_lamb.allreduce
+    real = sharded_step.allreduce
 
     def counting(tensor, *args, **kwargs):
         calls.append((kwargs.get("name"), tuple(tensor.shape)))
         return real(tensor, *args, **kwargs)
-    monkeypatch.setattr(sharded_lamb, "allreduce", counting)
+    monkeypatch.setattr(sharded_step, "allreduce", counting)
     for kind, expected in (("fused_lamb", 2), ("fused_lamb_l2", 1)):
         model, opt = make(kind, True)
         calls.clear()

@@ -34,6 +34,8 @@ for step in range(steps):
         assert torch.equal(got, torch.full((n,), expected)), (rank, step, i, got[:4])
     # What the engine's cache holds once the step is done: nothing while autotune has it off.
     records[-1]["cache_entries"] = current.engine().counts()["cache_entries"]
+# No rank shuts down (which stops every rank's engine) before the last one has read its counts.
+hvd.barrier()
 hvd.shutdown()
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
     json.dump({"steps": steps, "records": records}, fh)

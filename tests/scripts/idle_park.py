@@ -1,8 +1,9 @@
-"""Per-rank check of the idle park (AIAK_IDLE_PARK_MS) of the engine over Gloo
-(csrc/engine/engine.cpp).
+"""Per-rank check of the engine's idle park (AIAK_IDLE_PARK_MS, csrc/engine/engine.cpp),
+over MPI or Gloo.
 
-While no rank has anything in flight, the engine negotiates at most once per park; a thread
-that waits on a handle wakes a parked engine, so operations do not wait the park out.
+While no rank has anything in flight, the engine negotiates at most once per park.  A
+submission wakes a parked engine, and so does a thread that waits on a handle: operations do
+not wait the park out.
 """
 import os
 import time
@@ -10,32 +11,34 @@ import time
 import torch
 
 import aiak_training.torch as hvd
-from aiak_training.runtime.transport.gloo_calls import GlooCalls
-
-negotiations = [0]
-
-# The engine negotiates in C++; over Gloo each negotiation makes one allreduce call into
-# GlooCalls (the bit vector), which idle cycles make and nothing else does.
-_gloo_allreduce = GlooCalls.allreduce
-
-
-def _counting_gloo(self, *args, **kwargs):
-    negotiations[0] += 1
-    return _gloo_allreduce(self, *args, **kwargs)
-
-
-GlooCalls.allreduce = _counting_gloo
+from aiak_training.runtime import current
 
 hvd.init()
+core = current.engine().core
+
+
+def negotiations() -> int:
+    return core.progress_counters()["negotiations"]
+
+
 park_s = float(os.environ["AIAK_IDLE_PARK_MS"]) / 1000.0
 hvd.allreduce(torch.ones(1), name="warm-up")
 
 # Idle: nothing submitted anywhere, so every rank's engine parks.
-before, start = negotiations[0], time.monotonic()
+before, start = negotiations(), time.monotonic()
 time.sleep(1.0)
-idle_cycles, idle_s = negotiations[0] - before, time.monotonic() - start
+idle_cycles, idle_s = negotiations() - before, time.monotonic() - start
 bound = idle_s / park_s + 2
 assert idle_cycles <= bound, f"{idle_cycles} negotiations in {idle_s:.2f} s idle (bound {bound:.1f})"
+
+# A submission wakes the parked engines: the allreduce completes while this thread sleeps,
+# well before the park would end, with no thread waiting on it.
+hvd.barrier()
+time.sleep(0.2)
+handle = hvd.allreduce_async(torch.full((3,), float(hvd.rank())), op=hvd.Sum, name="async")
+time.sleep(min(0.5, park_s / 4))
+assert hvd.poll(handle), "a submission did not wake the parked engine"
+assert hvd.synchronize(handle).tolist() == [float(sum(range(hvd.size())))] * 3
 
 # Busy: each allreduce's wait wakes the parked engines; without the wake-up each one would
 # take about a park.
@@ -47,7 +50,7 @@ for i in range(10):
 busy_s = time.monotonic() - start
 assert busy_s < 2 * park_s, f"10 allreduces took {busy_s:.2f} s with a {park_s:.1f} s park"
 # The counter is live for the engine under test: the allreduces above were negotiated.
-assert negotiations[0] >= 11, f"only {negotiations[0]} negotiations counted"
+assert negotiations() >= 11, f"only {negotiations()} negotiations counted"
 print(f"rank {hvd.rank()}: idle negotiations {idle_cycles}, 10 allreduces in {busy_s:.3f} s",
       flush=True)
 hvd.shutdown()

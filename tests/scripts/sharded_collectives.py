@@ -88,12 +88,11 @@ def main() -> None:
         collectives += 2
     # The allgather in place, as the sharded optimizer runs it: each rank sends its block
     # of the output buffer itself; the other blocks start as garbage.
-    from aiak_training.torch.sharded_io import allgather_into
     blocks = [input_of(r, (5,), np.float32, 300) for r in range(size)]
     out = torch.full((5 * size,), float("nan"))
     out[5 * rank:5 * rank + 5] = torch.from_numpy(blocks[rank])
-    got = hvd.synchronize(allgather_into(out[5 * rank:5 * rank + 5], out, "inplace.ag",
-                                         hvd.global_process_set))
+    got = hvd.synchronize(hvd.allgather_async(out[5 * rank:5 * rank + 5], "inplace.ag",
+                                              hvd.global_process_set, out=out))
     assert got.data_ptr() == out.data_ptr()
     assert np.array_equal(out.numpy(), np.concatenate(blocks)), out
     checks += 1

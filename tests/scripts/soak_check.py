@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import aiak_training.torch as hvd
 from aiak_training.runtime import basics
-from aiak_training.torch import mpi_ops, output_pool
+from aiak_training.torch import output_pool, submission
 
 # Counts of this rank's own operations: zero whenever it has synchronized everything.  (Rank
 # 0's coordinator table also holds the requests of ranks that are already a step ahead, so it
@@ -30,7 +30,7 @@ PER_STEP_TENSORS = 7 + 62 + 20 + 2  # optimizer, grouped, async, allgather + bro
 
 def counts() -> dict:
     c = dict(basics.runtime_counts())
-    c["frontend_handle_map"] = len(mpi_ops._handle_map)
+    c["frontend_handle_map"] = len(submission._handle_map)
     c["pool_outstanding"] = output_pool.pool.outstanding
     c["pool_cached_blocks"] = output_pool.pool.cached_blocks
     return c
@@ -63,9 +63,9 @@ def main() -> None:
 
     # open_handles() counts a submitted, unsynchronized operation until it is waited for.
     h = hvd.allreduce_async(torch.ones(5), name="probe")
-    assert basics.open_handles() == 1 and len(mpi_ops._handle_map) == 1
+    assert basics.open_handles() == 1 and len(submission._handle_map) == 1
     hvd.synchronize(h)
-    assert basics.open_handles() == 0 and len(mpi_ops._handle_map) == 0
+    assert basics.open_handles() == 0 and len(submission._handle_map) == 0
 
     torch.manual_seed(0)
     # 3 x (weight, bias) small layers plus a 1 MiB embedding: mixed sizes, 7 tensors.

@@ -10,9 +10,9 @@ import os
 import struct
 from typing import List, Optional, Tuple
 
-from aiak_training.common.build_info import _nccl_candidates
 from aiak_training.common.dtypes import FLOATING, DataType, ReduceOp
 from aiak_training.common.gpu._loader import LazyLibrary
+from aiak_training.common.host.build_info import nccl_candidates
 
 _VOIDP = ctypes.c_void_p
 _SIZE = ctypes.c_size_t
@@ -300,13 +300,13 @@ class Communicator:
 
 def nccl_version_text(lib: Optional[Library]) -> str:
     """``2.32.3``, or ``unavailable``."""
-    from aiak_training.common.build_info import nccl_version_string
+    from aiak_training.common.host.build_info import nccl_version_string
     return nccl_version_string(lib.version) if lib is not None else "unavailable"
 
 
 def _library_paths() -> List[str]:
     explicit = os.environ.get("AIAK_NCCL_LIBRARY")
-    return [explicit] if explicit else _nccl_candidates()
+    return [explicit] if explicit else nccl_candidates()
 
 
 _library = LazyLibrary(_library_paths, Library, (NcclError,), lambda tried: NcclError(

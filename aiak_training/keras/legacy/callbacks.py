@@ -9,11 +9,10 @@ variables (a compiled step reads their current value), except a Keras >= 2.11 op
 """
 from typing import Any, Dict, Optional
 
-import numpy as np
 import tensorflow as tf
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.keras import _flavour, _lr_schedule
+from aiak_training.keras import _flavour, _callbacks_shared
 from aiak_training.tensorflow import functions, reductions
 from aiak_training.tensorflow.mpi_ops import Average, rank, size
 
@@ -71,18 +70,10 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self.device = device
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
-        if not logs:
-            return
-        names = sorted(logs)
-        values = [np.asarray(logs[n], dtype=np.float64) for n in names]
-        flat = np.concatenate([v.reshape(-1) for v in values])
-        averaged = reductions.allreduce(tf.constant(flat), name="MetricAverageCallback",
-                                        op=Average).numpy()
-        start = 0
-        for name, value in zip(names, values):
-            part = averaged[start:start + value.size].reshape(value.shape)
-            start += value.size
-            logs[name] = float(part) if value.ndim == 0 else part
+        _callbacks_shared.average_logs(
+            logs, lambda value: value,
+            lambda flat: reductions.allreduce(tf.constant(flat), name="MetricAverageCallback",
+                                              op=Average).numpy())
 
 
 def _get_value(value: Any) -> float:
@@ -91,7 +82,7 @@ def _get_value(value: Any) -> float:
     return float(keras.backend.get_value(value))
 
 
-class LearningRateScheduleCallback(_lr_schedule.ScheduleMixin, keras.callbacks.Callback):
+class LearningRateScheduleCallback(_callbacks_shared.ScheduleMixin, keras.callbacks.Callback):
     """Learning rate ``initial_lr * multiplier(epoch)`` for the epochs in
     ``[start_epoch, end_epoch)`` (``multiplier`` a function, or a number ``m`` meaning
     ``m ** (epoch - start_epoch)``); per epoch with ``staircase``, else per batch with a
@@ -101,7 +92,7 @@ class LearningRateScheduleCallback(_lr_schedule.ScheduleMixin, keras.callbacks.C
     _read_value = staticmethod(_get_value)
 
 
-class LearningRateWarmupCallback(_lr_schedule.WarmupMixin, LearningRateScheduleCallback):
+class LearningRateWarmupCallback(_callbacks_shared.WarmupMixin, LearningRateScheduleCallback):
     """Raise the learning rate linearly from ``initial_lr / size`` to ``initial_lr`` over
     ``warmup_epochs`` epochs, batch by batch:
     ``lr(epoch) = initial_lr / size * (epoch * (size - 1) / warmup_epochs + 1)``, with the

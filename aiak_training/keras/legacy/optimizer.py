@@ -26,25 +26,23 @@ from aiak_training.common import horovod_strings as hs
 from aiak_training.keras import _flavour
 from aiak_training.runtime.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow.compression import Compression
-from aiak_training.tensorflow.gradients import allreduce_gradients, check_gradient_options
+from aiak_training.tensorflow.gradients import (allreduce_gradients, check_gradient_options,
+                                                divide_gradient)
 from aiak_training.tensorflow.mpi_ops import Average, Sum
 from aiak_training.tensorflow.tf1 import _LocalAggregation
 
 keras = _flavour.legacy()
 
 
-class _Options:
-    """What one distributed optimizer knows beyond its wrapped class (a plain object, which
-    Keras does not track)."""
+class _Options(_flavour.WrapperState):
+    """The shared state (variables told apart by ``ref()``), and the local sums of
+    ``backward_passes_per_step`` > 1."""
 
     def __init__(self, scope: str, reduce_options: Dict[str, Any], process_set: ProcessSet,
                  scale_local_gradients: bool, aggregation: Optional[_LocalAggregation]):
-        self.scope = scope
-        self.reduce_options = reduce_options
-        self.process_set = process_set
-        self.scale_local_gradients = scale_local_gradients
+        super().__init__(scope, reduce_options, process_set, scale_local_gradients,
+                         lambda v: v.ref())
         self.aggregation = aggregation
-        self.local: set = set()
 
 
 class _Distributed:
@@ -55,26 +53,16 @@ class _Distributed:
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient on this rank (divided by the process set's size when
         ``scale_local_gradients``)."""
-        self._aiak.local.add(var.ref())
+        self._aiak.local.add(var)
 
     def _aiak_reduce(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         state = self._aiak
-        shared = [i for i, v in enumerate(variables) if v.ref() not in state.local]
-        with tf.name_scope(state.scope):
-            reduced = allreduce_gradients([grads[i] for i in shared],
-                                          [variables[i] for i in shared],
-                                          **state.reduce_options)
-        out = list(grads)
-        for i, g in zip(shared, reduced):
-            out[i] = g
-        if state.local and state.scale_local_gradients:
-            members = state.process_set.size()
-            for i, v in enumerate(variables):
-                g = out[i]
-                if v.ref() in state.local and g is not None:
-                    out[i] = (tf.IndexedSlices(g.values / members, g.indices, g.dense_shape)
-                              if isinstance(g, tf.IndexedSlices) else g / members)
-        return out
+
+        def reduce(shared: List[Any], where: List[Any]) -> List[Any]:
+            with tf.name_scope(state.scope):
+                return allreduce_gradients(shared, where, **state.reduce_options)
+        return state.local.combine(grads, variables, reduce, divide_gradient,
+                                   state.process_set.size)
 
     def _aiak_combine(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         aggregation = self._aiak.aggregation
@@ -145,14 +133,9 @@ _classes: Dict[type, type] = {}
 
 
 def _distributed_class(base: type) -> type:
-    base = getattr(base, "_aiak_base", base)
-    cls = _classes.get(base)
-    if cls is None:
-        cls = type(base.__name__, (_Distributed, base),
-                   {"__module__": base.__module__, "__qualname__": base.__qualname__,
-                    "_aiak_base": base})
-        _classes[base] = cls
-    return cls
+    """The subclass of ``base`` that combines gradients (one per class), saved under
+    ``base``'s own module."""
+    return _flavour.distributed_subclass(_classes, _Distributed, base, lambda cls: cls.__module__)
 
 
 def _check_optimizer(optimizer: Any, what: str) -> None:
@@ -208,12 +191,7 @@ def PartialDistributedOptimizer(optimizer, name: Optional[str] = None, device_de
                                 local_layers=None, scale_local_gradients: bool = True):
     """:func:`DistributedOptimizer` whose ``local_layers`` (a Keras 2 layer or a list of
     them) keep their trainable weights' gradients on each rank."""
-    layers = _flavour.local_layers(local_layers, keras)
-    wrapped = DistributedOptimizer(
-        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
-        gradient_predivide_factor, op, backward_passes_per_step,
-        average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
-    for layer in layers:
-        for var in layer.trainable_weights:
-            wrapped.register_local_var(var)
-    return wrapped
+    # Every other argument goes to DistributedOptimizer under its own name.
+    options = {k: v for k, v in locals().items() if k not in ("optimizer", "local_layers")}
+    return _flavour.partial_optimizer(DistributedOptimizer, keras, optimizer, local_layers,
+                                      options)

@@ -13,7 +13,7 @@ from typing import Any, Dict
 
 from aiak_training.runtime.autotune.knobs import current_setting, fixed_knobs, search_axes
 from aiak_training.runtime.autotune.options import AutotuneOptions
-from aiak_training.runtime.autotune.tuner import Autotuner, _say
+from aiak_training.runtime.autotune.tuner import Autotuner, say
 
 
 def start(engine) -> None:
@@ -27,7 +27,7 @@ def start(engine) -> None:
     axes = search_axes(begin, fixed, list(engine.algorithms))
     if not axes:
         if engine.rank_in_set(0) == 0:
-            _say(f"nothing to tune: the fusion threshold, cycle time and response cache "
+            say(f"nothing to tune: the fusion threshold, cycle time and response cache "
                  f"are fixed ({', '.join(fixed) or 'none'}) and the allreduce algorithm "
                  f"cannot change here; keeping {begin.describe()}.")
         return

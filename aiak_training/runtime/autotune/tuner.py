@@ -24,12 +24,12 @@ from typing import List, Optional, Sequence, Set, Tuple
 import numpy as np
 
 from aiak_training.allreduce import ALGORITHMS
+from aiak_training.common.dtypes import DataType
+from aiak_training.common.messages import OpType, Request
 from aiak_training.runtime.autotune.csvlog import CsvLog
 from aiak_training.runtime.autotune.knobs import Setting, apply_setting
 from aiak_training.runtime.autotune.options import AutotuneOptions
 from aiak_training.runtime.autotune.search import CoordinateSearch
-from aiak_training.common.dtypes import DataType
-from aiak_training.common.messages import OpType, Request
 from aiak_training.runtime.entries import TensorEntry
 
 # Names seen before one repeats: past this, the job's allreduces have no stable names (each
@@ -37,7 +37,7 @@ from aiak_training.runtime.entries import TensorEntry
 MAX_NAMES = 100_000
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     print(f"autotune: {text}", file=sys.stdout, flush=True)
 
 
@@ -79,7 +79,7 @@ class Autotuner:
             return
         if self._marker is None:
             self._log.close()
-            _say("the job ended before tuning started: no step was seen (steps are found by "
+            say("the job ended before tuning started: no step was seen (steps are found by "
                  "an allreduce name that repeats; name the tensors, as DistributedOptimizer "
                  "does).")
             return
@@ -94,7 +94,7 @@ class Autotuner:
                 self._log.row(best, self._search.score(best))
                 where += f"; best so far: {best.describe()}"
         self._log.close()
-        _say(f"the job ended after {self.steps + 1} steps, before tuning finished: "
+        say(f"the job ended after {self.steps + 1} steps, before tuning finished: "
              f"{where}; the setting in force was {self._measuring.describe()}.")
 
     # ---- steps and samples ---------------------------------------------------------------
@@ -109,7 +109,7 @@ class Autotuner:
             self._engine.autotune = None
             if self._rank == 0:
                 self._log.close()
-                _say(f"stopped: none of {MAX_NAMES} allreduce names repeated, so steps cannot "
+                say(f"stopped: none of {MAX_NAMES} allreduce names repeated, so steps cannot "
                      "be found; give the tensors names (DistributedOptimizer does).")
 
     def _end_sample(self) -> None:
@@ -154,6 +154,6 @@ class Autotuner:
         self._log.row(best, score)
         self._log.close()
         where = f"; log: {self._opts.log_file}" if self._opts.log_file else ""
-        _say(f"chose {best.describe()} ({score:.4g} steps/s; tuning took "
+        say(f"chose {best.describe()} ({score:.4g} steps/s; tuning took "
              f"{self.steps} steps, {self._search.samples} samples after "
              f"{self._opts.warmup_samples} warm-up{where})")

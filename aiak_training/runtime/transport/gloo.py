@@ -30,7 +30,7 @@ import numpy as np
 
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp
 from aiak_training.common.env import env_float
-from aiak_training.common.ranks import RankIdentity
+from aiak_training.common.job.ranks import RankIdentity
 
 log = logging.getLogger("aiak_training")
 
@@ -227,8 +227,8 @@ def form_world(info: Optional[WorldInfo] = None) -> "GlooComm":
         raise ValueError(f"The Gloo world source returned {info!r}, not a WorldInfo.")
     info.validate()
     timeout_s = timeout_seconds()
-    from aiak_training.common.exit_guard import note_arrival
-    note_arrival("the Gloo rendezvous")  # for aiakrun's start timeout (runner/start_watch.py)
+    from aiak_training.common.job.exit_guard import note_arrival
+    note_arrival("the Gloo rendezvous")  # for aiakrun's start timeout (runner/guard/start_watch.py)
     # Without a prefix from the launcher, successive worlds of this process use fresh keys;
     # that is right when every rank re-forms together (shutdown(); init() everywhere).
     prefix = info.prefix or f"aiak/{next(_generation)}"
@@ -358,7 +358,7 @@ def _spec(buf: Any) -> Tuple[Any, int, Optional[Tuple[List[int], List[int]]], Da
     return memory, int(count) * ITEMSIZE[dtype], None, dtype
 
 
-def _bytes(memory: Any, nbytes: int):
+def byte_view(memory: Any, nbytes: int):
     """A uint8 tensor over the first ``nbytes`` of ``memory`` (shared, not copied)."""
     import torch
     if nbytes == 0:
@@ -549,10 +549,10 @@ class GlooComm:
         memory, nbytes, _, dtype = _spec(recvbuf)
         if implied is not None:
             dtype = implied
-        data = _bytes(memory, nbytes)
+        data = byte_view(memory, nbytes)
         if sendbuf is not MPI.IN_PLACE:
             src, src_bytes, _, _ = _spec(sendbuf)
-            data.copy_(_bytes(src, src_bytes))
+            data.copy_(byte_view(src, src_bytes))
         if self._size > 1 and nbytes:
             self._allreduce_tensor(data, dtype, word)
 
@@ -576,7 +576,7 @@ class GlooComm:
             return
         memory, nbytes, _, _ = _spec(buf)
         if nbytes:
-            self._broadcast_tensor(_bytes(memory, nbytes), root)
+            self._broadcast_tensor(byte_view(memory, nbytes), root)
 
     def Allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """Equal pieces: Gloo gathers them straight into the receive buffer (no padding,
@@ -584,7 +584,7 @@ class GlooComm:
         send_mem, send_bytes, _, _ = _spec(sendbuf)
         recv_mem = _spec(recvbuf)[0]  # its count is per rank, as in MPI
         recv_bytes = send_bytes * self._size
-        out, mine = _bytes(recv_mem, recv_bytes), _bytes(send_mem, send_bytes)
+        out, mine = byte_view(recv_mem, recv_bytes), byte_view(send_mem, send_bytes)
         if self._size == 1:
             out.copy_(mine)
         elif recv_bytes:
@@ -596,8 +596,8 @@ class GlooComm:
         recv_mem, recv_len, layout, dtype = _spec(recvbuf)
         item = ITEMSIZE[dtype]
         counts, displs = layout
-        out = _bytes(recv_mem, recv_len)
-        mine = _bytes(send_mem, send_bytes)
+        out = byte_view(recv_mem, recv_len)
+        mine = byte_view(send_mem, send_bytes)
         if self._size == 1:
             out[displs[0] * item:displs[0] * item + send_bytes].copy_(mine)
             return
@@ -617,7 +617,7 @@ class GlooComm:
         send_mem, send_len, (scounts, sdispls), dtype = _spec(sendbuf)
         recv_mem, recv_len, (rcounts, rdispls), _ = _spec(recvbuf)
         item = ITEMSIZE[dtype]
-        src, dst = _bytes(send_mem, send_len), _bytes(recv_mem, recv_len)
+        src, dst = byte_view(send_mem, send_len), byte_view(recv_mem, recv_len)
 
         def packed(counts, displs, mem):
             # alltoall_base wants pieces back to back, in rank order
@@ -658,8 +658,8 @@ class GlooComm:
         item = ITEMSIZE[dtype]
         counts = list(recvcounts) if recvcounts is not None else \
             [recv_bytes // item] * self._size
-        whole = _bytes(send_mem, send_bytes).clone()
+        whole = byte_view(send_mem, send_bytes).clone()
         if self._size > 1 and send_bytes:
             self._allreduce_tensor(whole, dtype, word)
         start = sum(counts[:self._rank]) * item
-        _bytes(recv_mem, recv_bytes).copy_(whole[start:start + counts[self._rank] * item])
+        byte_view(recv_mem, recv_bytes).copy_(whole[start:start + counts[self._rank] * item])

@@ -14,7 +14,7 @@ from typing import Any, Dict
 import torch
 
 from aiak_training.common.dtypes import DataType
-from aiak_training.runtime.transport.gloo import GlooComm, _bytes
+from aiak_training.runtime.transport.gloo import GlooComm, byte_view
 
 #: Element-type handle of negotiation's bit vector (only ever reduced with BAND, which is the
 #: same on int64).
@@ -25,7 +25,7 @@ OP_WORDS = ("sum", "min", "max", "prod", "lor", "land", "band")
 
 def _at(addr: int, nbytes: int) -> torch.Tensor:
     """A uint8 tensor over ``nbytes`` at ``addr`` (the engine's memory, not copied)."""
-    return _bytes((ctypes.c_char * nbytes).from_address(addr), nbytes)
+    return byte_view((ctypes.c_char * nbytes).from_address(addr), nbytes)
 
 
 def _ints(addr: int, n: int) -> list:
@@ -61,18 +61,18 @@ class GlooCalls:
         group = self._comms[comm]
         if group.Get_size() > 1:
             kind = DataType.INT64 if dtype == UINT64 else DataType(dtype)
-            group._allreduce_tensor(_bytes(data, len(data)), kind, OP_WORDS[op])
+            group._allreduce_tensor(byte_view(data, len(data)), kind, OP_WORDS[op])
 
     def bcast(self, data: memoryview, root: int, comm: int) -> None:
         group = self._comms[comm]
         if group.Get_size() > 1:
-            group._broadcast_tensor(_bytes(data, len(data)), root)
+            group._broadcast_tensor(byte_view(data, len(data)), root)
 
     def gather(self, data: memoryview, recv: int, root: int, comm: int) -> None:
         """Equal pieces from every rank, back to back at ``recv`` on the root."""
         group = self._comms[comm]
         size, rank, nbytes = group.Get_size(), group.Get_rank(), len(data)
-        mine = _bytes(data, nbytes)
+        mine = byte_view(data, nbytes)
         out = _at(recv, size * nbytes) if rank == root and nbytes else None
         if size == 1:
             if out is not None:
@@ -86,7 +86,7 @@ class GlooCalls:
         read on the root) gathered at ``recv`` on the root."""
         group = self._comms[comm]
         size, rank, nbytes = group.Get_size(), group.Get_rank(), len(data)
-        mine = _bytes(data, nbytes)
+        mine = byte_view(data, nbytes)
         if rank == root:
             sizes = [c * item for c in _ints(counts, size)]
             starts = [d * item for d in _ints(displs, size)]
