@@ -63,7 +63,7 @@ def main() -> None:
         for round_no in range(args.rounds):
             for side, checkout in sides.items():
                 data = run_once(checkout, command, out_dir, f"{side}{round_no}")
-                for r in data["results"]:
+                for r in data.get("results", []):  # a launcher's merged file has ratios only
                     medians[side].setdefault(r["name"], []).append(r["median_s"])
                 for name, value in data["ratios"].items():
                     ratios[side].setdefault(name, []).append(value)

@@ -78,8 +78,8 @@ CUDA mode (--device cuda; needs a GPU, one rank per GPU), e.g. ``python
 benchmarks/allreduce_bench.py --device cuda --json gpu.json`` at 1 rank.  Ratio:
 
   gpu_pack_bandwidth_fraction   bandwidth of the engine's fusion-buffer pack plus unpack
-                                (aiak_training.runtime.gpu_executor.pack / unpack over the
-                                ResNet-50-shaped set of CUDA tensors, as the engine runs them:
+                                (aiak_training.runtime.execute.gpu_buffers.pack / unpack over
+                                the ResNet-50-shaped set of CUDA tensors, as the engine runs them:
                                 the batched-copy kernel where built; 2x the bytes) divided by
                                 that of one device-to-device copy of the whole set.  Target
                                 >= 0.7.
@@ -379,7 +379,7 @@ def run_cuda(args) -> None:
     from aiak_training.common.gpu import kernels, nccl
     from aiak_training.runtime import current
     from aiak_training.common.gpu.cudart import runtime
-    from aiak_training.runtime.gpu_executor import FUSION_ALIGN, pack, unpack
+    from aiak_training.runtime.execute.gpu_buffers import FUSION_ALIGN, pack, unpack
 
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA device (torch.cuda.is_available() is "

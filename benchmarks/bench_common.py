@@ -4,7 +4,8 @@ and launching the child jobs a driver script runs (:func:`mpiexec`, :func:`child
 
 Conventions: docs/benchmarks/index.md.  A and B are timed in the same launch, alternating,
 after warm-up; the median of the timed repetitions is reported.  Benchmarks import this
-module, never ``tests/``.
+module, never ``tests/``; the per-rank programs and modules that benchmarks and tests both
+run live in ``benchmarks/jobs/`` (tests/test_benchmarks_layout.py keeps it so).
 """
 import json
 import os
@@ -31,23 +32,27 @@ def mpiexec() -> str:
 
 def run_jobs(cmds: Sequence[Sequence[str]], what: str, timeout: Optional[float] = None,
              env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None,
-             stream: bool = False, check: bool = True) -> int:
+             stream: bool = False, check: bool = True, expect: int = 0,
+             writes: Sequence[str] = ()) -> int:
     """Start ``cmds`` together (the processes of one job: one command, or one per rank) and
     wait for all of them, for at most ``timeout`` seconds in all; returns the first nonzero
-    exit status, or 0 (-9 for a process killed at the timeout).
+    exit status, or 0 (-9 for a process killed at the timeout).  They read no input.
 
-    Their output goes to a log; when one fails or time runs out, the others are killed, the
-    log's end is shown and the benchmark stops (``SystemExit`` naming ``what``).  With
-    ``stream`` the output goes to the terminal instead, each command echoed first, and a
-    failure exits with the failed process's status.  With ``check`` False a failure is only
-    returned (for jobs whose failure is what is measured)."""
+    Their output goes to a log.  The job fails when time runs out (the others are killed),
+    when its status is not ``expect`` (1, say, for a job that is meant to end with an error)
+    or when a file of ``writes`` (its JSON) is missing afterwards; the log's end is then shown
+    and the benchmark stops (``SystemExit`` naming ``what``).  With ``stream`` the output goes
+    to the terminal instead, each command echoed first, and a failure exits with the failed
+    process's status.  With ``check`` False a failure is only returned (for jobs whose
+    failure is what is measured)."""
     with tempfile.TemporaryFile("w+") as log:
         out = None if stream else log
         procs = []
         for cmd in cmds:
             if stream:
                 print("+ " + " ".join(cmd), flush=True)
-            procs.append(subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=out,
+            procs.append(subprocess.Popen(list(cmd), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                                          stdout=out,
                                           stderr=None if stream else subprocess.STDOUT))
         deadline = None if timeout is None else time.monotonic() + timeout
         status = 0
@@ -64,13 +69,17 @@ def run_jobs(cmds: Sequence[Sequence[str]], what: str, timeout: Optional[float] 
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        if status == 0 or not check:
+        missing = [path for path in writes if not os.path.exists(path)]
+        if (status == expect and not missing) or not check:
             return status
-        if stream:
-            raise SystemExit(status)
-        log.seek(0)
-        sys.stderr.write(log.read()[-8000:])
-        raise SystemExit(f"{what} failed (exit {status})")
+        if stream and status != expect:
+            raise SystemExit(status or 1)
+        if not stream:
+            log.seek(0)
+            sys.stderr.write(log.read()[-8000:])
+        if status != expect:
+            raise SystemExit(f"{what} failed (exit {status})")
+        raise SystemExit(f"{what} wrote no {', '.join(missing)} (exit {status})")
 
 
 def read_json(path: str) -> Any:
@@ -83,14 +92,16 @@ def run_json_job(cmds: Sequence[Sequence[str]], out: str, what: str,
                  timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
                  cwd: Optional[str] = None, stream: bool = False) -> Any:
     """:func:`run_jobs`, then the JSON the job wrote to ``out``."""
-    run_jobs(cmds, what, timeout=timeout, env=env, cwd=cwd, stream=stream)
+    run_jobs(cmds, what, timeout=timeout, env=env, cwd=cwd, stream=stream, writes=[out])
     return read_json(out)
 
 
-def child_env(*paths: str, **extra: str) -> Dict[str, str]:
+def child_env(*paths: str, drop: Sequence[str] = (), **extra: str) -> Dict[str, str]:
     """This process's environment for a child job: ``paths`` (the checkout, say) first on
-    ``PYTHONPATH``, one OpenMP thread unless set, and ``extra`` on top."""
-    env = dict(os.environ)
+    ``PYTHONPATH``, one OpenMP thread unless set, and ``extra`` on top.  Variables whose
+    names start with one of ``drop`` (``("AIAK_", "HOROVOD_")``, say) are left out, so that
+    no switch of this shell changes what the job measures."""
+    env = {k: v for k, v in os.environ.items() if not (drop and k.startswith(tuple(drop)))}
     if paths:
         env["PYTHONPATH"] = os.pathsep.join(list(paths) + [env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")

@@ -94,29 +94,43 @@ class Variant:
         self.phases: Dict[str, List[float]] = {}
 
 
-def ddp_variant(name: str, bucket_mb: float, data, target, loss_fn) -> Variant:
-    model = torch.nn.parallel.DistributedDataParallel(build_model(), bucket_cap_mb=bucket_mb)
-    opt = sgd(model)
-
+def training_step(model, opt, data, target, loss_fn) -> Callable[[], None]:
+    """One plain step: zero the gradients, forward, backward, optimizer step."""
     def step() -> None:
         opt.zero_grad()
         loss_fn(model(data), target).backward()
         opt.step()
+    return step
 
+
+def phased_step(model, opt, data, target, loss_fn, finish: Callable[[Dict], None],
+                backward_key: str = "backward") -> Callable[[Dict[str, List[float]]], None]:
+    """A step timed by phase: forward, backward (under ``backward_key``), then ``finish`` (the
+    wait for gradients and the update, which records its own phases in ``out``)."""
     def phased(out: Dict[str, List[float]]) -> None:
-        # DDP's backward returns once every bucket is reduced: its wait is inside it.
         opt.zero_grad()
         t0 = time.perf_counter()
         loss = loss_fn(model(data), target)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        out.setdefault("forward", []).append(t1 - t0)
+        out.setdefault(backward_key, []).append(t2 - t1)
+        finish(out)
+    return phased
+
+
+def ddp_variant(name: str, bucket_mb: float, data, target, loss_fn) -> Variant:
+    model = torch.nn.parallel.DistributedDataParallel(build_model(), bucket_cap_mb=bucket_mb)
+    opt = sgd(model)
+
+    def finish(out: Dict[str, List[float]]) -> None:
+        t0 = time.perf_counter()
         opt.step()
-        t3 = time.perf_counter()
-        for key, value in (("forward", t1 - t0), ("backward_and_wait", t2 - t1),
-                           ("update", t3 - t2)):
-            out.setdefault(key, []).append(value)
-    return Variant(name, step, phased)
+        out.setdefault("update", []).append(time.perf_counter() - t0)
+    # DDP's backward returns once every bucket is reduced: its wait is inside it.
+    return Variant(name, training_step(model, opt, data, target, loss_fn),
+                   phased_step(model, opt, data, target, loss_fn, finish, "backward_and_wait"))
 
 
 def aiak_variant(data, target, loss_fn, overlap: bool = False) -> Variant:
@@ -124,31 +138,22 @@ def aiak_variant(data, target, loss_fn, overlap: bool = False) -> Variant:
     opt = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
                                    overlap_update=overlap)
 
-    def step() -> None:
-        opt.zero_grad()
-        loss_fn(model(data), target).backward()
-        opt.step()
-
-    def phased(out: Dict[str, List[float]]) -> None:
-        opt.zero_grad()
+    def finish(out: Dict[str, List[float]]) -> None:
         t0 = time.perf_counter()
-        loss = loss_fn(model(data), target)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
         if overlap:  # the update runs as each gradient lands: step() waits and updates
-            t3 = t2
+            t1 = t0
             opt.step()
         else:
             opt.synchronize()
-            t3 = time.perf_counter()
+            t1 = time.perf_counter()
             with opt.skip_synchronize():
                 opt.step()
-        t4 = time.perf_counter()
-        for key, value in (("forward", t1 - t0), ("backward", t2 - t1), ("wait", t3 - t2),
-                           ("update", t4 - t3)):
-            out.setdefault(key, []).append(value)
-    return Variant("aiak_overlap" if overlap else "aiak", step, phased)
+        t2 = time.perf_counter()
+        out.setdefault("wait", []).append(t1 - t0)
+        out.setdefault("update", []).append(t2 - t1)
+    return Variant("aiak_overlap" if overlap else "aiak",
+                   training_step(model, opt, data, target, loss_fn),
+                   phased_step(model, opt, data, target, loss_fn, finish))
 
 
 def allreduce_variants(mib: float) -> List[Variant]:

@@ -1,6 +1,6 @@
 """How fast a certain deadlock ends, and what the wait costs the cores (issue 40).
 
-Runs the mistake the issue found under ``aiakrun -np 2`` (tests/scripts/deadlock.py
+Runs the mistake the issue found under ``aiakrun -np 2`` (benchmarks/jobs/deadlock.py
 ``helper``: a sharded optimizer's ``consolidate_state_dict()`` called on rank 0 only) with
 the stall-warning time T of each ``--warn-seconds`` value, ``--runs`` times each.  Every
 rank records how long it waited before the deadlock error and the CPU its process used
@@ -15,38 +15,30 @@ Ratios (above 1 is better, 1 is the target):
     python benchmarks/deadlock_bench.py --warn-seconds 5 60 --runs 3 --json out.json
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Dict, List
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import machine_info, report  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_common import child_env, machine_info, read_json, report, run_jobs  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "tests", "scripts", "deadlock.py")
+REPO = os.path.dirname(HERE)
+SCRIPT = os.path.join(HERE, "jobs", "deadlock.py")
 CPU_BUDGET = 0.05  # of one core, while waiting
 
 
 def one_run(warn_s: float) -> List[Dict]:
-    """The per-rank records of one deadlocked job."""
+    """The per-rank records of one deadlocked job (which ends with aiakrun's status 1)."""
     with tempfile.TemporaryDirectory() as out:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AIAK_", "HOROVOD_"))}
-        env.update(OMP_NUM_THREADS="1", HOROVOD_STALL_CHECK_TIME_SECONDS=str(warn_s))
-        proc = subprocess.run([sys.executable, "-m", "aiak_training.runner.launch", "-np", "2",
-                               sys.executable, SCRIPT, "helper", out], env=env, cwd=REPO,
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=4 * warn_s + 300)
-        records = []
-        for rank in (0, 1):
-            path = os.path.join(out, f"waited.{rank}.json")
-            if not os.path.exists(path):
-                raise SystemExit(f"rank {rank} recorded no wait (aiakrun status "
-                                 f"{proc.returncode}):\n{proc.stderr[-3000:]}")
-            with open(path) as f:
-                records.append(json.load(f))
+        env = child_env(REPO, drop=("AIAK_", "HOROVOD_"), OMP_NUM_THREADS="1",
+                        HOROVOD_STALL_CHECK_TIME_SECONDS=str(warn_s))
+        waited = [os.path.join(out, f"waited.{rank}.json") for rank in (0, 1)]
+        run_jobs([[sys.executable, "-m", "aiak_training.runner.launch", "-np", "2",
+                   sys.executable, SCRIPT, "helper", out]], f"the deadlock job (T={warn_s:g} s)",
+                 timeout=4 * warn_s + 300, env=env, cwd=REPO, expect=1, writes=waited)
+        records = [read_json(path) for path in waited]
         if any(r["error"] != "DeadlockError" for r in records):
             raise SystemExit(f"not a deadlock error: {records}")
         return records

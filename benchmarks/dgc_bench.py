@@ -59,8 +59,9 @@ Run::
     mpiexec -n 4 python benchmarks/dgc_bench.py --modes plot \\
         --json benchmarks/results/dgc_digits_accuracy_<date>.json
 
-The plot mode trains the digits MLP of tests/parallel/test_dgc_convergence.py (dense and DGC,
-3 seeds, 4 ranks) and plots test accuracy against epoch; its curves go to --json as well.
+The plot mode trains the digits MLP of the convergence test (benchmarks/jobs/dgc_digits.py,
+which tests/parallel/test_dgc_convergence.py runs too: dense and DGC, 3 seeds, 4 ranks) and
+plots test accuracy against epoch; its curves go to --json as well.
 """
 import argparse
 import math
@@ -347,10 +348,10 @@ def step_mode(args, results: List[Dict], ratios: Dict[str, float]) -> None:
 
 # ---- plot --------------------------------------------------------------------------------------
 def plot_mode(args, results: List[Dict], ratios: Dict[str, float], extra: Dict) -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "parallel"))
+    sys.path.insert(0, os.path.join(HERE, "jobs"))
     import time
 
-    import test_dgc_convergence as conv  # the convergence test's own training code
+    import dgc_digits as conv  # the convergence test's training code
     torch.set_num_threads(1)
     start = time.perf_counter()
     curves = conv.train_digits(variants=("dense", "dgc"), epochs=args.epochs)

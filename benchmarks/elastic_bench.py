@@ -2,7 +2,7 @@
 lost node and grows to a new one (needs root: network namespaces).
 
 Each repetition is one elastic job (``aiakrun --host-discovery-script``, default settings,
-tests/scripts/elastic_exact.py as the training program) run from node 0:
+benchmarks/jobs/elastic_exact.py as the training program) run from node 0:
 
 * it starts on nodes 0-1; the discovery script then lists node 2: ``grow_s`` is the time from
   that change to the first step completed with 3 ranks;
@@ -31,13 +31,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
+JOBS = os.path.join(HERE, "jobs")
+sys.path[:0] = [HERE, JOBS]
 
 import elastic_exact  # noqa: E402
 from bench_common import machine_info, read_json  # noqa: E402
 
-SCRIPT = os.path.join(REPO, "tests", "scripts", "elastic_exact.py")
+SCRIPT = os.path.join(JOBS, "elastic_exact.py")
 
 
 def _netns_pids(ns):

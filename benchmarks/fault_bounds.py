@@ -1,7 +1,7 @@
 """How long a job takes to end after a network fault, on the emulated 2 x 2 cluster.
 
 Needs root (it builds the cluster itself).  For each scenario and run it starts
-``aiakrun -np 4`` with tests/scripts/fault_stream.py inside a fresh
+``aiakrun -np 4`` with benchmarks/jobs/fault_stream.py inside a fresh
 ``aiak_training.testing.cluster`` (2 nodes x 2 ranks, 1 Gbit/s), injects the fault once every
 rank streams allreduces, and records when each rank's process was gone and when aiakrun
 returned, in seconds after the fault, plus aiakrun's exit status and report:
@@ -48,8 +48,8 @@ sys.path.insert(0, REPO)
 
 from aiak_training.testing.cluster import EmulatedCluster, leftovers  # noqa: E402
 
-STREAM = os.path.join(REPO, "tests", "scripts", "fault_stream.py")
-LAUNCHER_FAULTS = os.path.join(REPO, "tests", "scripts", "launcher_faults.py")
+STREAM = os.path.join(HERE, "jobs", "fault_stream.py")
+LAUNCHER_FAULTS = os.path.join(HERE, "jobs", "launcher_faults.py")
 AIAKRUN = [sys.executable, "-m", "aiak_training.runner.launch", "-np", "4"]
 
 

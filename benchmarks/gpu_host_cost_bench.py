@@ -3,9 +3,10 @@
 Issue 29 asks for the per-tensor loops of the CUDA path (submit, execute, complete) to be in
 C++, as the host path's are.  This measures what those loops cost, without a GPU.  The engine
 and the GPU executor run grouped allreduces of ``n`` one-element tensors on the host-memory
-stand-ins for libcudart and NCCL of tests/parallel/gpu_fakes.py, submitted and waited on as
-the torch frontend does (tests/parallel/test_gpu_executor.py's ``run``: one list per field to
-``Engine.submit_allreduces``, one ``wait_all``).  The batched-copy kernel's stand-in is one
+stand-ins for libcudart and NCCL of benchmarks/jobs/gpu_fakes.py (those of
+tests/parallel/test_gpu_executor.py), submitted and waited on as the torch frontend does
+(``gpu_fakes.submit_allreduce``: one list per field to ``Engine.submit_allreduces``, one
+``wait_all``).  The batched-copy kernel's stand-in is one
 C++ call (``native.copy_batch``), like the real launch.  So what is timed is this library's
 host work plus the stand-ins' (a CUDA call is a Python method call, NCCL's allreduce one MPI
 call on host memory), never CUDA's.
@@ -25,6 +26,7 @@ Figures (slopes of the median time over n = 8 ... 161, fitted by least squares):
     python benchmarks/gpu_host_cost_bench.py --json PATH     (one process, no mpiexec)
 """
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -33,9 +35,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "parallel"))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path[:0] = [HERE, os.path.join(HERE, "jobs")]
 from bench_common import machine_info, report, summarize  # noqa: E402
 
 COUNTS = (8, 32, 64, 161)  # 161: the ResNet-50 set's tensor count
@@ -55,16 +55,17 @@ def main(argv=None) -> None:
 
     import aiak_training.torch as hvd
     from aiak_training.common import native
-    from aiak_training.common.gpu import kernels, nccl
-    from aiak_training.common.messages import OpType
-    from aiak_training.runtime import gpu_executor
-    import test_gpu_executor as fake  # the stand-ins and the frontend-like submit, run()
+    from aiak_training.runtime.execute import gpu_executor
+    import gpu_fakes  # the stand-ins and the frontend-like submit
     hvd.init()
-    gpu_executor.runtime = lambda: fake.RUNTIME
-    nccl.library = lambda: fake.LIBRARY
-    nccl.Communicator = fake.FakeCommunicator
-    kernels.library = lambda: True
-    kernels.batched_copy = lambda dsts, srcs, sizes, stream: native.copy_batch(dsts, srcs, sizes)
+    # Never taken back: the engine runs on these until the process ends.
+    gpu_fakes.install(gpu_fakes.FakeRuntime(), gpu_fakes.FakeLibrary(), True,
+                      lambda dsts, srcs, sizes, stream: native.copy_batch(dsts, srcs, sizes))
+    names = itertools.count()
+
+    def gpu_allreduce(tensors):
+        gpu_fakes.submit_allreduce(tensors, tensors,
+                                   [f"gpu_exec.{next(names)}" for _ in tensors], hvd.Sum)
 
     executor_s = []
     allreduce = gpu_executor.GpuExecutor.allreduce
@@ -80,7 +81,7 @@ def main(argv=None) -> None:
     for n in COUNTS:
         gpu = [torch.zeros(1) for _ in range(n)]
         host = [torch.zeros(1) for _ in range(n)]
-        variants = {"gpu": lambda: fake.run(OpType.ALLREDUCE, gpu, gpu, reduce_op=hvd.Sum),
+        variants = {"gpu": lambda: gpu_allreduce(gpu),
                     "host": lambda: hvd.grouped_allreduce_(host, op=hvd.Sum)}
         for kind, fn in variants.items():
             for _ in range(20):

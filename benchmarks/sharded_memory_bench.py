@@ -20,8 +20,8 @@ Ratios (rank 0's JSON; "peak" is the largest over ranks, median over --reps laun
     python benchmarks/sharded_memory_bench.py --ranks 2 --reps 5 --json PATH
 
 The target is met with default settings, whose gradients are bounded;
-AIAK_SHARD_GRADIENTS=flat (one gradient buffer per bucket, kept: the faster mode) measures the
-other mode.  The environment passes to the ranks:
+AIAK_SHARD_GRADIENTS=kept (one gradient buffer per bucket, kept: the faster mode; ``flat`` is
+its older name) measures the other mode.  The environment passes to the ranks:
 AIAK_OUTPUT_POOL_BYTES=0 (no pool of freed collective results) and
 MALLOC_MMAP_THRESHOLD_=1048576 (glibc unmaps freed blocks of 1 MiB or more) show what each
 variant needs apart from memory kept for reuse.  The dense peak varies by up to ~100 MiB from

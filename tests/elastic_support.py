@@ -11,10 +11,10 @@ import threading
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
-from launch import REPO, env_with, netns_pids, require_emulation
+from launch import JOBS, REPO, env_with, netns_pids, require_emulation
 
-SCRIPT = os.path.join(REPO, "tests", "scripts", "elastic_exact.py")
-sys.path.insert(0, os.path.dirname(SCRIPT))
+SCRIPT = os.path.join(JOBS, "elastic_exact.py")
+sys.path.insert(0, JOBS)
 import elastic_exact  # noqa: E402  (its exact replay)
 
 

@@ -8,6 +8,8 @@ import sysconfig
 from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Per-rank programs that tests and benchmarks both run (and the modules they share).
+JOBS = os.path.join(REPO, "benchmarks", "jobs")
 
 
 def mpiexec() -> str:

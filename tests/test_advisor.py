@@ -15,7 +15,7 @@ from aiak_training.advisor.model import (CONSTANTS, Cluster, Config, Link, Profi
                                          predict_step, predict_table, ring_allgather,
                                          ring_allreduce)
 from aiak_training.advisor.model import allreduce_time, schedule_buckets
-from aiak_training.advisor.report import MIN_SWITCH_GAIN, cluster_from_probe, recommend
+from aiak_training.advisor.report import MIN_SWITCH_GAIN, cluster_from_measurement, recommend
 from aiak_training.advisor.whatif import WhatIf, WhatIfError, parse_what_if
 from aiak_training.runner.modes.advise import job_flags
 from launch import REPO, env_with
@@ -80,18 +80,18 @@ def test_engine_cost_is_charged_once_per_collective():
     assert dgc_exchange([100000], d) == pytest.approx(0.01 + 804 / 1e8 + 1e-4, rel=1e-12)
 
 
-def test_cluster_from_probe_uses_the_all_rank_cost():
-    probe = {"nodes": 4, "ranks_per_node": 1, "copy_bw": 2e9, "gloo": False, "intra": None,
-             "links": [{"nodes": [0, 1], "bw": 9e7, "lat": 0.006},
-                       {"nodes": [0, 2], "bw": 8e7, "lat": 0.013}],
-             "op_s": 0.02}
-    c = cluster_from_probe(probe)
+def test_cluster_from_measurement_uses_the_all_rank_cost():
+    measured = {"nodes": 4, "ranks_per_node": 1, "copy_bw": 2e9, "gloo": False, "intra": None,
+                "links": [{"nodes": [0, 1], "bw": 9e7, "lat": 0.006},
+                          {"nodes": [0, 2], "bw": 8e7, "lat": 0.013}],
+                "op_s": 0.02}
+    c = cluster_from_measurement(measured)
     # slowest pair's bandwidth; no per-step latency (it is inside op_s); the cost kept
     assert (c.net, c.intra, c.op_s) == (Link(8e7, 0.0), Link(2e9, 0.0), 0.02)
     # flat over 4 ranks: 0.02 + 1.5 * 1e6 / 8e7, where the old rule added 6 * 13 ms
     assert allreduce_time("flat", 1e6, c) == pytest.approx(0.02 + 0.01875, rel=1e-12)
-    del probe["op_s"]  # an older probe: the pair latency, per ring step, as before
-    old = cluster_from_probe(probe)
+    del measured["op_s"]  # an older measurement: the pair latency, per ring step, as before
+    old = cluster_from_measurement(measured)
     assert (old.net, old.op_s) == (Link(8e7, 0.013), 0.0)
 
 

@@ -1,10 +1,10 @@
-"""The numpy result pool of the framework-neutral layer (aiak_training.runtime.array_pool):
+"""The numpy result pool of the framework-neutral layer (aiak_training.runtime.arrays.array_pool):
 alignment, reuse, and that memory comes back only when no derived array uses it."""
 import gc
 
 import numpy as np
 
-from aiak_training.runtime.array_pool import ALIGN, ArrayPool
+from aiak_training.runtime.arrays.array_pool import ALIGN, ArrayPool
 
 
 def test_small_and_large_results_are_aligned_and_shaped():

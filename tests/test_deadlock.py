@@ -22,10 +22,10 @@ import pytest
 
 from aiak_training.common.exceptions import (DEADLOCK_PREFIX, DeadlockError,
                                              HorovodInternalError, collective_error)
-from launch import clean_env, processes_with
+from launch import JOBS, clean_env, processes_with
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "tests", "scripts", "deadlock.py")
+SCRIPT = os.path.join(JOBS, "deadlock.py")
 AIAKRUN = [sys.executable, "-m", "aiak_training.runner.launch"]
 HOST = socket.gethostname()
 WARN_S = 5  # HOROVOD_STALL_CHECK_TIME_SECONDS of these jobs

@@ -34,14 +34,15 @@ import pytest
 from aiak_training.common.host import net
 from aiak_training.common.job.records import read_failures
 from aiak_training.runner.guard.supervise import LostHost, ProxyWatch
-from aiak_training.runtime import watchdog as wd
+from aiak_training.runtime.diagnostics import watchdog as wd
 from aiak_training.testing import cluster as cl
 from aiak_training.testing.cluster import ClusterError, EmulatedCluster, can_emulate
 from aiak_training.testing.cluster.namespaces import kill_netns_processes
+from launch import JOBS
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = os.path.join(REPO_ROOT, "tests", "scripts", "fault_ops.py")
-STREAM = os.path.join(REPO_ROOT, "tests", "scripts", "fault_stream.py")
+STREAM = os.path.join(JOBS, "fault_stream.py")
 AIAKRUN = [sys.executable, "-m", "aiak_training.runner.launch"]
 WATCHDOG_S = 8  # AIAK_COLLECTIVE_TIMEOUT_SECONDS in these tests
 

@@ -32,10 +32,10 @@ from aiak_training.runner.guard.liveness import LivenessServer, parse_value
 from aiak_training.runner.modes.mpi_flavour import MpiNotFoundError, find_launcher
 from aiak_training.runner.report import blame
 from aiak_training.runner.report.launcher_output import BannerFilter
-from launch import clean_env, netns_pids, processes_with, require_emulation
+from launch import JOBS, clean_env, netns_pids, processes_with, require_emulation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "tests", "scripts", "launcher_faults.py")
+SCRIPT = os.path.join(JOBS, "launcher_faults.py")
 AIAKRUN = [sys.executable, "-m", "aiak_training.runner.launch"]
 HOST = socket.gethostname()
 

@@ -1,5 +1,6 @@
 """The package's import structure: layers import only downwards, and nothing imports in a
-circle.
+circle.  And its size: no folder holds more modules, and no module more lines, than a reader
+can take in (:data:`MAX_MODULES_PER_FOLDER`, :data:`MAX_MODULE_LINES`).
 
 Every ``import`` statement counts, including those inside functions and under
 ``TYPE_CHECKING``: a lazy import is still a dependency.  Modules are read with ``ast``, so
@@ -57,6 +58,13 @@ ALLOWED: Dict[str, Set[str]] = {
 }
 # Subpackages that form a layer of their own rather than part of their parent's.
 FACADES = {"tensorflow.keras"}
+
+# A folder with more modules than this is split into subpackages by concept; every ``.py``
+# file directly in the folder counts, ``__init__.py`` included.
+MAX_MODULES_PER_FOLDER = 12
+# A module longer than this is split along a seam of its own (C++ and CUDA, in csrc/, are
+# not read here).
+MAX_MODULE_LINES = 600
 
 
 def _module_name(path: str) -> str:
@@ -211,3 +219,30 @@ def test_no_import_cycles_between_packages():
 
 def test_no_import_cycles_between_modules():
     assert _cycles(_graph()) == []
+
+
+def _folders() -> Dict[str, List[str]]:
+    """Every folder of the package (the Horovod shim's included) -> its ``.py`` files."""
+    out: Dict[str, List[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        out[dirpath] = sorted(f for f in filenames if f.endswith(".py"))
+    return out
+
+
+def test_no_folder_holds_more_than_a_dozen_modules():
+    crowded = sorted(f"{os.path.relpath(d, os.path.dirname(ROOT))}: {len(files)} modules"
+                     for d, files in _folders().items() if len(files) > MAX_MODULES_PER_FOLDER)
+    assert not crowded, "\n".join(crowded)
+
+
+def test_no_module_is_longer_than_600_lines():
+    long = []
+    for folder, files in _folders().items():
+        for f in files:
+            path = os.path.join(folder, f)
+            with open(path) as fh:
+                lines = sum(1 for _ in fh)
+            if lines > MAX_MODULE_LINES:
+                long.append(f"{os.path.relpath(path, os.path.dirname(ROOT))}: {lines} lines")
+    assert not long, "\n".join(sorted(long))

@@ -24,8 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARALLEL = os.path.join(REPO, "tests", "parallel")
 sys.path.insert(0, os.path.join(REPO, "examples"))
 import digits_train  # noqa: E402
-from launch import aiakrun_digits_result  # noqa: E402
-sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
+from launch import JOBS, aiakrun_digits_result  # noqa: E402
+sys.path.insert(0, JOBS)
 import elastic_exact  # noqa: E402
 from elastic_support import check_epochs  # noqa: E402
 

@@ -22,8 +22,8 @@ import aiak_training.spark as aiak_spark  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples"))
 import digits_train  # noqa: E402
-from launch import aiakrun_digits_result  # noqa: E402
-sys.path.insert(0, os.path.join(REPO, "tests", "scripts"))
+from launch import JOBS, aiakrun_digits_result  # noqa: E402
+sys.path.insert(0, JOBS)
 import elastic_exact  # noqa: E402
 from elastic_support import check_epochs  # noqa: E402
 
@@ -45,7 +45,7 @@ def spark():
 
 def _ranks_alive():
     return [p.pid for p in psutil.process_iter(["cmdline"])
-            if "aiak_training.runner.modes.cluster_child" in " ".join(p.info["cmdline"] or [])]
+            if "aiak_training.runner.modes.scheduler_child" in " ".join(p.info["cmdline"] or [])]
 
 
 def _allreduce_rank(scale, offset=0):
@@ -141,7 +141,7 @@ def _elastic_workers():
     """{worker id: pid} of the elastic rank processes now running."""
     found = {}
     for p in psutil.process_iter(["cmdline"]):
-        if "aiak_training.runner.modes.cluster_child" not in " ".join(p.info["cmdline"] or []):
+        if "aiak_training.runner.modes.scheduler_child" not in " ".join(p.info["cmdline"] or []):
             continue
         try:
             wid = p.environ().get("AIAK_ELASTIC_WORKER_ID")

@@ -20,7 +20,7 @@ import pytest
 from aiak_training.common.config import Config
 from aiak_training.common.host import build_info
 from aiak_training.runner.cli import check_build
-from aiak_training.runtime import startup_line
+from aiak_training.runtime.diagnostics import startup_line
 from launch import clean_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

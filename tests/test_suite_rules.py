@@ -13,7 +13,7 @@ import importlib
 import importlib.machinery
 import os
 import re
-from typing import List
+from typing import Callable, List
 
 import pytest
 
@@ -63,12 +63,18 @@ def exception_skips(source: str) -> List[str]:
     return found
 
 
-def test_no_test_turns_an_exception_into_a_skip():
+def violations(folder: str, check: Callable[[str], List[str]]) -> List[str]:
+    """``check``'s findings in every Python file under ``folder`` (relative to the repository),
+    each prefixed with its file's path."""
     found = []
-    for path in sorted(glob.glob(os.path.join(REPO, "tests", "**", "*.py"), recursive=True)):
+    for path in sorted(glob.glob(os.path.join(REPO, folder, "**", "*.py"), recursive=True)):
         with open(path, encoding="utf-8") as f:
-            found += [f"{os.path.relpath(path, REPO)} {where}"
-                      for where in exception_skips(f.read())]
+            found += [f"{os.path.relpath(path, REPO)} {where}" for where in check(f.read())]
+    return found
+
+
+def test_no_test_turns_an_exception_into_a_skip():
+    found = violations("tests", exception_skips)
     assert not found, "\n".join(found)
 
 

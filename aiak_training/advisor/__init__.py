@@ -2,7 +2,7 @@
 
 * :mod:`.model`: the step-time model (all formulas and constants);
 * :mod:`.whatif`: parsing ``--what-if``;
-* :mod:`.probe`: the link measurement job;
+* :mod:`.link_measure`: the link measurement job;
 * :mod:`.trace`: the hook that profiles the user's script;
 * :mod:`.report`: the table.
 """

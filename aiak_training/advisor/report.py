@@ -16,18 +16,18 @@ MIN_GAIN = 1.02
 MIN_SWITCH_GAIN = 1.05
 
 
-def cluster_from_probe(probe: Dict[str, Any]) -> Cluster:
+def cluster_from_measurement(measured: Dict[str, Any]) -> Cluster:
     """The measured cluster; the slowest node pair's bandwidth stands for the network (a
     ring runs at its slowest edge).
 
     With ``op_s`` (the all-rank 4-byte allreduce) the links get no per-step latency: the
     measured small-collective time already holds the engine's cost and every wire hop, and
-    the model charges it once per collective.  Without it (an older probe), each link keeps
+    the model charges it once per collective.  Without it (an older measurement), each link keeps
     its pair's latency and the model charges it per ring step."""
-    intra = probe.get("intra")
-    links = probe.get("links") or []
-    copy_bw = float(probe["copy_bw"])
-    op_s = probe.get("op_s")
+    intra = measured.get("intra")
+    links = measured.get("links") or []
+    copy_bw = float(measured["copy_bw"])
+    op_s = measured.get("op_s")
     keep = op_s is None
     # One rank per node: no in-node pair to measure; memory copies stand in for it.
     intra_link = Link(intra["bw"], intra["lat"] if keep else 0.0) if intra \
@@ -37,8 +37,8 @@ def cluster_from_probe(probe: Dict[str, Any]) -> Cluster:
                    max(x["lat"] for x in links) if keep else 0.0)
     else:
         net = intra_link
-    return Cluster(nodes=int(probe["nodes"]), ranks_per_node=int(probe["ranks_per_node"]),
-                   net=net, intra=intra_link, copy_bw=copy_bw, gloo=bool(probe.get("gloo")),
+    return Cluster(nodes=int(measured["nodes"]), ranks_per_node=int(measured["ranks_per_node"]),
+                   net=net, intra=intra_link, copy_bw=copy_bw, gloo=bool(measured.get("gloo")),
                    op_s=float(op_s or 0.0))
 
 

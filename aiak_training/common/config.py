@@ -71,8 +71,9 @@ class Config:
     # or "mpi" (staged through pinned host memory).  AIAK_GPU_TRANSPORT, or Horovod's
     # HOROVOD_GPU_OPERATIONS=MPI.
     gpu_transport: str = "nccl"
-    # Collective watchdog (runtime/watchdog.py): an MPI operation of the engine that shows no
-    # progress for this long ends the process (0: off).  AIAK_COLLECTIVE_TIMEOUT_SECONDS.
+    # Collective watchdog (runtime/diagnostics/watchdog.py): an MPI operation of the engine
+    # that shows no progress for this long ends the process (0: off).
+    # AIAK_COLLECTIVE_TIMEOUT_SECONDS.
     collective_timeout_s: float = 30.0
     # The watchdog's liveness probe: a small TCP listener per rank that lets the watchdog name
     # the peers that are gone.  AIAK_LIVENESS_PROBE.

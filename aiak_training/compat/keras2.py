@@ -14,7 +14,8 @@ import importlib.util
 from typing import Dict, Mapping
 
 LEGACY_ENV = "TF_USE_LEGACY_KERAS"
-#: Set for the ranks when --horovod-compat chose Keras 2 (read by runtime/startup_line.py).
+#: Set for the ranks when --horovod-compat chose Keras 2 (read by
+#: runtime/diagnostics/startup_line.py).
 CHOSEN_ENV = "AIAK_COMPAT_KERAS2"
 
 

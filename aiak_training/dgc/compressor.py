@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from aiak_training.runtime.process_sets import global_process_set
+from aiak_training.runtime.sets.process_sets import global_process_set
 from aiak_training.dgc import _kernels
 from aiak_training.dgc.schedule import PAPER_WARMUP_DENSITIES, DensitySchedule
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.dgc import _kernels
 from aiak_training.dgc.wire import PAD, pack, pack_slots, segment_layout, slot_views
 from aiak_training.torch.mpi_ops import allgather_async, synchronize

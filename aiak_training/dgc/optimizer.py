@@ -41,7 +41,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.runtime.process_sets import global_process_set
+from aiak_training.runtime.sets.process_sets import global_process_set
 from aiak_training.dgc import _kernels, device_select
 from aiak_training.dgc import wire as wire_format
 from aiak_training.dgc.exchange import PendingExchange, sparse_allgather_async

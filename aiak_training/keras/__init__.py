@@ -19,7 +19,7 @@ from aiak_training.keras.saving import load_model  # noqa: F401
 from aiak_training.keras.collectives import (allgather, allreduce, broadcast,  # noqa: F401
                                              broadcast_global_variables, reducescatter)
 from aiak_training.runtime.basics import add_process_set, remove_process_set  # noqa: F401
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set  # noqa: F401
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set  # noqa: F401
 
 _ops = _backend.adapter()
 # The basics come from the backend's frontend, whose init also resets its own state.

@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 
 import aiak_training.tensorflow as frontend  # the Horovod-style module values go through
-from aiak_training.runtime.process_sets import ProcessSet
+from aiak_training.runtime.sets.process_sets import ProcessSet
 from aiak_training.tensorflow import (Adasum, Average, Compression, Max, Min,  # noqa: F401
                                       Product, Sum, ccl_built, cross_rank, cross_size,
                                       cuda_built, ddl_built, gloo_built, gloo_enabled, init,

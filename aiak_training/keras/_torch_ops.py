@@ -11,7 +11,7 @@ import torch
 
 import aiak_training.torch as frontend  # the Horovod-style module values go through
 from aiak_training.common.grouping import group_positions
-from aiak_training.runtime.process_sets import ProcessSet
+from aiak_training.runtime.sets.process_sets import ProcessSet
 from aiak_training.torch import (Adasum, Average, Compression, Max, Min,  # noqa: F401
                                  Product, Sum, ccl_built, cross_rank, cross_size, cuda_built,
                                  ddl_built, gloo_built, gloo_enabled, init, is_initialized,

@@ -19,8 +19,8 @@ import keras
 
 from aiak_training.common import horovod_strings as hs
 from aiak_training.keras import _backend, _callbacks_shared
-from aiak_training.runtime.call_origin import collective_helper
-from aiak_training.runtime.process_sets import global_process_set
+from aiak_training.runtime.diagnostics.call_origin import collective_helper
+from aiak_training.runtime.sets.process_sets import global_process_set
 
 _ops = _backend.adapter()
 

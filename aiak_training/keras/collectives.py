@@ -28,8 +28,8 @@ from typing import Any, List, Optional
 import keras
 
 from aiak_training.keras import _backend, _flavour
-from aiak_training.runtime.call_origin import collective_helper
-from aiak_training.runtime.process_sets import global_process_set
+from aiak_training.runtime.diagnostics.call_origin import collective_helper
+from aiak_training.runtime.sets.process_sets import global_process_set
 
 _ops = _backend.adapter()
 Compression = _ops.Compression

@@ -19,8 +19,8 @@ _ops = _backend.adapter()
 
 
 def _broadcast_object(obj: Any) -> Any:
-    from aiak_training.runtime.objects import broadcast_object
-    from aiak_training.runtime.process_sets import global_process_set
+    from aiak_training.runtime.arrays.objects import broadcast_object
+    from aiak_training.runtime.sets.process_sets import global_process_set
     return broadcast_object(obj, 0, "elastic.state", global_process_set)
 
 
@@ -49,7 +49,7 @@ class TensorFlowKerasState(VariablesState):
     eagerly outside its compiled steps)."""
 
     def __init__(self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any):
-        from aiak_training.runtime.process_sets import global_process_set
+        from aiak_training.runtime.sets.process_sets import global_process_set
         self.model = model
         self.optimizer = optimizer if optimizer is not None else model.optimizer
         self.backend = backend

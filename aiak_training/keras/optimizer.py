@@ -30,7 +30,7 @@ from aiak_training.common import horovod_strings as hs
 from aiak_training.common.grouping import fold_num_groups
 from aiak_training.keras import _backend, _flavour
 from aiak_training.keras._accumulation import Accumulation
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 
 _ops = _backend.adapter()
 Compression = _ops.Compression

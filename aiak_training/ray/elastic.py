@@ -18,7 +18,7 @@ import ray.exceptions
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from aiak_training.ray.worker import BaseHorovodWorker
-from aiak_training.runner.modes import cluster_jobs
+from aiak_training.runner.modes import scheduler_jobs
 from aiak_training.runner.modes.elastic.driver import ElasticSettings
 from aiak_training.runner.modes.elastic.function_job import (FunctionWorker, run_function_job,
                                                              worker_env)
@@ -125,12 +125,12 @@ class ElasticRayJob:
                                  "returning {node_id: slots}.")
         self._payload = executable_payload
         self.settings.start_timeout = float(self.ex._setting("timeout_s", 30))
-        self._store, self._port = cluster_jobs.start_store()
+        self._store, self._port = scheduler_jobs.start_store()
         self._addr = ray.util.get_node_ip_address()
         env = {str(k): str(v) for k, v in extra_env_vars.items()}
         env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(self.ex._setting("timeout_s", 30)))
         nics = self.ex._setting("nics", None)
-        for name, value in cluster_jobs.nic_env(sorted(nics) if nics else None).items():
+        for name, value in scheduler_jobs.nic_env(sorted(nics) if nics else None).items():
             env.setdefault(name, value)  # the user's extra_env_vars win
         self._env = env
 

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from aiak_training.common.job.ranks import place_ranks
 from aiak_training.ray.mpi_world import HydraWorld, new_key, ray_transport
 from aiak_training.ray.worker import BaseHorovodWorker
-from aiak_training.runner.modes import cluster_jobs
+from aiak_training.runner.modes import scheduler_jobs
 
 log = logging.getLogger("aiak_training.ray")
 
@@ -196,11 +196,11 @@ class RayExecutor:
         if self._started:
             raise RuntimeError("RayExecutor.start() was already called; call shutdown() first.")
         # Everything that must travel is checked before any actor exists.
-        payload = cluster_jobs.pickled(
+        payload = scheduler_jobs.pickled(
             (executable_cls, list(executable_args or []), dict(executable_kwargs or {})),
             "executable_cls/executable_args/executable_kwargs")
         if executable_cls is not None:
-            cluster_jobs.pickled(executable_cls, "executable_cls")
+            scheduler_jobs.pickled(executable_cls, "executable_cls")
         if not ray.is_initialized():
             ray.init()  # as Horovod: a local cluster when none is running
         if self._elastic is not None:
@@ -227,7 +227,7 @@ class RayExecutor:
         non-elastic executor, not called.
         """
         self._check_callbacks(callbacks)
-        payload = cluster_jobs.pickled(fn, "function")
+        payload = scheduler_jobs.pickled(fn, "function")
         if self._elastic is not None:
             self._require_started()
             return self._elastic.run(payload)
@@ -257,7 +257,7 @@ class RayExecutor:
         if self._elastic is not None:
             raise self._elastic.unsupported("execute_single()")
         self._require_started()
-        payload = cluster_jobs.pickled(fn, "function")
+        payload = scheduler_jobs.pickled(fn, "function")
         return self._gather([self._workers[0].actor._aiak_execute.remote(payload)],
                             "execute_single")[0]
 
@@ -338,7 +338,7 @@ class RayExecutor:
                                f"timeout_s={timeout_s:g} s of their placement.")
         identities = self._gather(refs, "starting the workers", workers=self._workers)
         # Ranks of one node become contiguous (the order Ray gave is kept otherwise).
-        order = cluster_jobs.contiguous_order([i["node_id"] for i in identities])
+        order = scheduler_jobs.contiguous_order([i["node_id"] for i in identities])
         self._workers = [_Worker(actors[i], rank, identities[i]["node_id"],
                                  identities[i]["hostname"], identities[i]["pid"])
                          for rank, i in enumerate(order)]
@@ -374,13 +374,13 @@ class RayExecutor:
                        for w in self._workers}
         addr, port = "", 0
         if mpiexec is None:
-            self._store, port = cluster_jobs.start_store()
+            self._store, port = scheduler_jobs.start_store()
             addr = ray.util.get_node_ip_address()
         nics = self._setting("nics", None)
         bound = "HOROVOD_GLOO_TIMEOUT_SECONDS" if mpiexec is None \
             else "AIAK_COLLECTIVE_TIMEOUT_SECONDS"
         timeout = None if bound in extra_env_vars else self._setting("timeout_s", 30)
-        envs = cluster_jobs.rank_envs([w.node_id for w in self._workers], addr, port,
+        envs = scheduler_jobs.rank_envs([w.node_id for w in self._workers], addr, port,
                                      timeout_s=timeout, nics=sorted(nics) if nics else None,
                                      extra=extra_env_vars,
                                      transport="gloo" if mpiexec is None else "mpi")
@@ -431,11 +431,11 @@ class RayExecutor:
     def _call_payload(fn, args, kwargs) -> bytes:
         if not callable(fn):
             raise TypeError(f"RayExecutor: fn must be callable, got {fn!r}")
-        cluster_jobs.pickled(fn, "function")
+        scheduler_jobs.pickled(fn, "function")
         args, kwargs = list(args or []), dict(kwargs or {})
-        cluster_jobs.pickled((args, kwargs), "the args/kwargs of function",
+        scheduler_jobs.pickled((args, kwargs), "the args/kwargs of function",
                             name=getattr(fn, "__qualname__", repr(fn)))
-        return cluster_jobs.pickled(lambda _executable: fn(*args, **kwargs), "function")
+        return scheduler_jobs.pickled(lambda _executable: fn(*args, **kwargs), "function")
 
     def _submit(self, payload: bytes) -> List[Any]:
         self._require_started()

@@ -19,10 +19,10 @@ from aiak_training.common.job import exit_guard as _exit_guard
 from aiak_training.common.messages import OpType
 from aiak_training.runtime import autotune as _autotune
 from aiak_training.runtime import current
-from aiak_training.runtime import startup_line as _startup_line
 from aiak_training.runtime.current import engine, is_initialized  # noqa: F401 - re-exported
+from aiak_training.runtime.diagnostics import startup_line as _startup_line
 from aiak_training.runtime.engine import Engine
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.runtime.transport import gloo as _gloo
 
 _state_lock = threading.Lock()

@@ -10,10 +10,10 @@ What needs Python runs in the *lane*: the C++ thread calls :meth:`Engine._lane` 
 in the negotiated order, for GPU collectives, allgather, alltoall and reducescatter (their
 results are allocated by the frontend), process-set changes, Adasum, the hierarchical
 allreduce algorithms, timeline events and stall warnings.  The lane runs them with the
-:class:`~aiak_training.runtime.executor.Executor`.
+:class:`~aiak_training.runtime.execute.executor.Executor`.
 
 This object holds the parts together: the C++ core, this rank's process sets
-(:class:`~aiak_training.runtime.set_registry.ProcessSetRegistry`), the executor, the
+(:class:`~aiak_training.runtime.sets.set_registry.ProcessSetRegistry`), the executor, the
 watchdog, the timeline, and the life cycle.  Frontends submit requests and get integer
 handles back; nothing here calls into a frontend.
 """
@@ -32,12 +32,12 @@ from aiak_training.common.messages import OpType, Request, Response
 from aiak_training.common.timeline import Timeline
 from aiak_training.common.topology import Topology
 from aiak_training.runtime.autotune.knobs import tunable_algorithms
-from aiak_training.runtime.completion import Completer
+from aiak_training.runtime.diagnostics.watchdog import Watchdog
 from aiak_training.runtime.entries import SetState, TensorEntry, WaitResult, unknown_handle
-from aiak_training.runtime.executor import Executor
-from aiak_training.runtime.set_registry import ProcessSetRegistry
+from aiak_training.runtime.execute.completion import Completer
+from aiak_training.runtime.execute.executor import Executor
+from aiak_training.runtime.sets.set_registry import ProcessSetRegistry
 from aiak_training.runtime.transport import transport_name
-from aiak_training.runtime.watchdog import Watchdog
 
 if TYPE_CHECKING:
     from aiak_training.runtime.transport.gloo_calls import GlooCalls
@@ -140,7 +140,7 @@ class Engine:
         self.core.zero_copy_bytes = config.zero_copy_bytes
         self.results: Dict[int, object] = {}   # handle -> result of a lane-executed op
         self._keep: Dict[int, object] = {}     # handle -> memory the op uses
-        self._flat_sets = set()                # sets whose host allreduce runs in C++
+        self._core_allreduce_sets = set()      # sets whose host allreduce runs in C++
         completer = Completer(self.core, self.timeline, self.results)
         self.executor = Executor(config, completer, self._run_control, lambda: self.join_device)
         self.timeline.on_active = self._timeline_changed
@@ -241,7 +241,7 @@ class Engine:
         self.core.add_set(set_id, comm_id, state.rank, state.size, flat,
                           state.topology.num_nodes == 1)
         if flat:
-            self._flat_sets.add(set_id)
+            self._core_allreduce_sets.add(set_id)
 
     def _create_set(self, ranks: List[int]) -> int:
         """Collective over the global set, in the same order on every rank."""
@@ -251,7 +251,7 @@ class Engine:
         return set_id
 
     def _remove_set(self, set_id: int) -> bool:
-        self._flat_sets.discard(set_id)
+        self._core_allreduce_sets.discard(set_id)
         removed, state = self.sets.remove(set_id)
         if not removed:
             return False
@@ -293,9 +293,9 @@ class Engine:
         # Host allreduces of a flat set run in C++; the others go to the lane.
         flat = algorithm is flat_allreduce
         if flat:
-            self._flat_sets.add(0)
+            self._core_allreduce_sets.add(0)
         else:
-            self._flat_sets.discard(0)
+            self._core_allreduce_sets.discard(0)
         self.core.set_flat(0, flat)
 
     # ---- submission ------------------------------------------------------------------------
@@ -307,7 +307,7 @@ class Engine:
                 if req.op_type == OpType.ALLREDUCE:
                     tuner.on_allreduce(req.name)
         state = self.sets.get(set_id)
-        flat = set_id in self._flat_sets
+        flat = set_id in self._core_allreduce_sets
         tuples, lane_names = [], []
         for req, entry in zip(requests, entries):
             op = req.op_type
@@ -348,7 +348,7 @@ class Engine:
         The frontends' per-tensor hot path (what ``DistributedOptimizer`` submits per
         gradient): scalars rather than :meth:`submit_allreduces`' lists, which would cost a
         tenth of the call.  ``keep`` stays referenced until the handle is waited on."""
-        if set_id not in self._flat_sets or reduce_op == ReduceOp.ADASUM or \
+        if set_id not in self._core_allreduce_sets or reduce_op == ReduceOp.ADASUM or \
                 self.autotune is not None:
             return self.submit_allreduces(set_id, rank, [name], [dtype], [shape], [in_addr],
                                           [out_addr], reduce_op, prescale, postscale, keep)[0]
@@ -376,7 +376,7 @@ class Engine:
         if tuner is not None and set_id == 0:
             for name in names:
                 tuner.on_allreduce(name)
-        if device < 0 and (set_id not in self._flat_sets or reduce_op == ReduceOp.ADASUM):
+        if device < 0 and (set_id not in self._core_allreduce_sets or reduce_op == ReduceOp.ADASUM):
             # The lane runs them (hierarchical algorithm, Adasum), or enqueue raises the usual
             # error.
             requests = [Request(rank, n, OpType.ALLREDUCE, dt, shape, reduce_op, prescale,

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Set
 import cloudpickle
 
 from aiak_training.elastic import protocol
-from aiak_training.runner.modes import cluster_jobs
+from aiak_training.runner.modes import scheduler_jobs
 from aiak_training.runner.modes.elastic.driver import ElasticSettings
 from aiak_training.runner.modes.elastic.function_job import (ElasticJobError, FunctionWorker,
                                                              run_function_job, worker_env)
@@ -224,13 +224,13 @@ def run_elastic(fn, args=(), kwargs={}, num_proc=None, min_np=None, max_np=None,
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
     driver_host = sc.getConf().get("spark.driver.host") or socket.gethostname()
-    store, store_port = cluster_jobs.start_store()
+    store, store_port = scheduler_jobs.start_store()
     control = _ElasticControl(stdout, stderr, prefix_output_with_timestamp)
     group = f"aiak-spark-elastic-{control.token[:12]}"
     job = dict(payload=payload, addr=driver_host, control_port=control.port,
                token=control.token, timeout=timeout, executable=None,
                env={k: str(v) for k, v in (env or {}).items()})
-    extra = cluster_jobs.nic_env(sorted(nics) if nics else None)
+    extra = scheduler_jobs.nic_env(sorted(nics) if nics else None)
     outcome: Dict[str, Any] = {}
 
     def spark_job() -> None:

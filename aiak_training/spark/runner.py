@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, TextIO
 
 import cloudpickle
 
-from aiak_training.runner.modes import cluster_jobs
+from aiak_training.runner.modes import scheduler_jobs
 
 # Horovod's default for start_timeout when HOROVOD_SPARK_START_TIMEOUT is unset.
 DEFAULT_START_TIMEOUT_S = 600
@@ -164,10 +164,10 @@ def _pump(stream, reporter: Reporter, rank: int, name: str) -> None:
 
 def start_rank_process(job: Dict[str, Any], payload_path: str, result_path: str,
                        env: Dict[str, str], reporter: Reporter, label) -> tuple:
-    """Start one rank's fresh Python (``cluster_child``) with its output forwarded under
+    """Start one rank's fresh Python (``scheduler_child``) with its output forwarded under
     ``label``; returns the process and the threads pumping its output."""
     proc = subprocess.Popen(
-        [job["executable"] or sys.executable, "-m", "aiak_training.runner.modes.cluster_child",
+        [job["executable"] or sys.executable, "-m", "aiak_training.runner.modes.scheduler_child",
          payload_path, result_path],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
         preexec_fn=_die_with_parent_hook())
@@ -198,11 +198,11 @@ def _rank_task(job: Dict[str, Any]):
         partition = ctx.partitionId()
         host = socket.gethostname()
         hosts = [json.loads(m)["host"] for m in ctx.allGather(json.dumps({"host": host}))]
-        order = cluster_jobs.contiguous_order(hosts)
+        order = scheduler_jobs.contiguous_order(hosts)
         rank = order.index(partition)
         env = dict(os.environ)
         env.update(job["env"] or {})
-        env.update(cluster_jobs.rank_envs([hosts[p] for p in order], job["addr"],
+        env.update(scheduler_jobs.rank_envs([hosts[p] for p in order], job["addr"],
                                          job["store_port"],
                                          timeout_s=job["gloo_timeout"], nics=job["nics"])[rank])
         # The rank imports what this task can import (pyspark's zip, --py-files, ...).
@@ -279,8 +279,8 @@ def prepare(sc, api: str, fn, args, kwargs, num_proc, start_timeout) -> tuple:
         raise ValueError(f"aiak_training.spark.{api}(num_proc={num_proc!r}): must be a "
                          "positive integer.")
     timeout = _start_timeout(start_timeout)
-    cluster_jobs.pickled(fn, "function")
-    payload = cluster_jobs.pickled((fn, tuple(args or ()), dict(kwargs or {})),
+    scheduler_jobs.pickled(fn, "function")
+    payload = scheduler_jobs.pickled((fn, tuple(args or ()), dict(kwargs or {})),
                                   "the args/kwargs of function",
                                   name=getattr(fn, "__qualname__", repr(fn)))
     return num_proc, timeout, payload
@@ -314,7 +314,7 @@ def run(fn, args=(), kwargs={}, num_proc=None, start_timeout=None, use_mpi=None,
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
     driver_host = sc.getConf().get("spark.driver.host") or socket.gethostname()
-    store, store_port = cluster_jobs.start_store()
+    store, store_port = scheduler_jobs.start_store()
     control = RankControl(num_proc, stdout, stderr, prefix_output_with_timestamp)
     group = f"aiak-spark-{control.token[:12]}"
     job = dict(payload=payload, addr=driver_host, store_port=store_port,

@@ -1,7 +1,7 @@
 """``import aiak_training.tensorflow as hvd``: the horovod.tensorflow API (TensorFlow 2) on
 aiak-training's engine.  Collectives work eagerly and inside ``tf.function``."""
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set  # noqa: F401
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set  # noqa: F401
 from aiak_training.tensorflow.compression import Compression  # noqa: F401
 from aiak_training.tensorflow.errors import (HorovodPreconditionError,  # noqa: F401
                                              HorovodUnknownError)

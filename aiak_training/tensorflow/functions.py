@@ -1,7 +1,7 @@
 """Bringing every rank to the same state: variables and picklable Python objects (the
 ``horovod.tensorflow.functions`` API).
 
-Objects are moved by ``aiak_training.runtime.objects`` as pickled bytes, directly on numpy
+Objects are moved by ``aiak_training.runtime.arrays.objects`` as pickled bytes, directly on numpy
 arrays: they run when called, so inside ``tf.function`` they run once, while tracing.
 ``session`` arguments exist for TensorFlow 1 compatibility and are ignored.
 """
@@ -9,9 +9,9 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
-from aiak_training.runtime import objects
-from aiak_training.runtime.call_origin import collective_helper
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.arrays import objects
+from aiak_training.runtime.diagnostics.call_origin import collective_helper
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow import mpi_ops
 
 

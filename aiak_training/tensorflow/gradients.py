@@ -13,7 +13,7 @@ import tensorflow as tf
 from aiak_training.common import horovod_strings as hs
 from aiak_training.common.grouping import fold_num_groups
 from aiak_training.common.grouping import LocalGradients, group_positions
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow.compression import Compression, Compressor
 from aiak_training.tensorflow.mpi_ops import Average
 from aiak_training.tensorflow.reductions import grouped_allreduce

@@ -23,8 +23,9 @@ import tensorflow as tf
 from aiak_training.common.dtypes import (Adasum, Average, Max, Min, Product, Sum,  # noqa: F401
                                          handle_average_backwards_compatibility)
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
-from aiak_training.runtime import array_ops, current
 from aiak_training.runtime import basics as _basics
+from aiak_training.runtime import current
+from aiak_training.runtime.arrays import array_ops
 from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank,  # noqa: F401
                                          cross_size, cuda_built, ddl_built, gloo_built,
                                          gloo_enabled, is_homogeneous, is_initialized,
@@ -32,7 +33,7 @@ from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank
                                          mpi_threads_supported, nccl_built, rank,
                                          remove_process_set, rocm_built, shutdown, size,
                                          start_timeline, stop_timeline)
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set  # noqa: F401
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set  # noqa: F401
 from aiak_training.tensorflow import _bridge
 
 

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from aiak_training.common.horovod_strings import (IS_ADASUM_UNSUPPORTED, IS_OPS_SUPPORTED,
                                                   IS_SCALING_UNSUPPORTED)
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow import mpi_ops
 from aiak_training.tensorflow.compression import Compression, Compressor
 from aiak_training.tensorflow.mpi_ops import (Adasum, Average, Sum,

@@ -15,7 +15,7 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow.compression import Compression, Compressor
 from aiak_training.tensorflow.functions import broadcast_variables
 from aiak_training.tensorflow.gradients import allreduce_gradients, check_gradient_options

@@ -1,6 +1,6 @@
 """``import aiak_training.torch as hvd``: the horovod.torch API on aiak-training's engine."""
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set  # noqa: F401
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set  # noqa: F401
 from aiak_training.torch.compression import Compression  # noqa: F401
 from aiak_training.torch.functions import (allgather_object, broadcast_object,  # noqa: F401
                                            broadcast_optimizer_state, broadcast_parameters)

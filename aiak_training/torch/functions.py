@@ -14,8 +14,8 @@ import cloudpickle
 import torch
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.runtime.call_origin import collective_helper
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.diagnostics.call_origin import collective_helper
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.mpi_ops import (allgather_async, broadcast_async_, rank, size,
                                          synchronize)
 

@@ -37,10 +37,10 @@ from aiak_training.runtime.basics import (add_process_set, ccl_built, cross_rank
 from aiak_training.common.dtypes import (Adasum, Average, Max, Min,  # noqa: F401
                                          Product, ReduceOp, Sum,
                                          handle_average_backwards_compatibility)
-from aiak_training.runtime import array_ops
+from aiak_training.runtime.arrays import array_ops
 from aiak_training.common.exceptions import HorovodInternalError  # noqa: F401
 from aiak_training.common.messages import OpType
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.compression import Compression, Compressor, run_compressed
 from aiak_training.torch import output_pool
 from aiak_training.torch.submission import (_allocator, _check_op, _check_tensor,

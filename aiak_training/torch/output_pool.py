@@ -7,7 +7,7 @@ than the reduction itself: measured out-of-place grouped allreduce at 0.53 of a 
 allreduce, against 1.2 in place. Like torch's CUDA caching allocator, this pool keeps the memory
 of freed results and hands it to the next result of the same size, already faulted in.
 
-The pool is the runtime's (``aiak_training.runtime.array_pool``, which the numpy-based
+The pool is the runtime's (``aiak_training.runtime.arrays.array_pool``, which the numpy-based
 frontends use too); a pooled result is its numpy block seen through ``torch.from_numpy``, so
 the block goes back to the pool when the last tensor using its storage is gone. Only results
 of at least ``AIAK_OUTPUT_POOL_MIN_BYTES`` (1 MiB) use the pool; smaller ones come from torch's
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from aiak_training.common.env import env_bytes
-from aiak_training.runtime.array_pool import ArrayPool
+from aiak_training.runtime.arrays.array_pool import ArrayPool
 
 
 class OutputPool(ArrayPool):

@@ -14,10 +14,11 @@ import torch
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.horovod_strings import TENSOR_TYPE_NOT_SUPPORTED
 from aiak_training.common.messages import OpType, Request
-from aiak_training.runtime import array_ops, current
 from aiak_training.runtime import basics as _basics
+from aiak_training.runtime import current
+from aiak_training.runtime.arrays import array_ops
 from aiak_training.runtime.entries import TensorEntry, unknown_handle
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.torch import cuda as _cuda
 from aiak_training.torch import output_pool
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.mpi_ops import Sum, allreduce, size
 
 

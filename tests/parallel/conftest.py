@@ -1,7 +1,13 @@
 """Per-rank test setup: these files run under mpiexec/aiakrun, one pytest per rank."""
 import os
+import sys
 
 import pytest
+
+# benchmarks/jobs holds the per-rank code these tests share with the benchmarks (the GPU
+# stand-ins, the digits training).
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "benchmarks", "jobs"))
 
 # Set before hvd.init(), as Horovod's own tests do.
 os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")

@@ -1,6 +1,7 @@
 """The GPU executor's logic on every rank, without a GPU: the engine runs GPU responses with
-host-memory stand-ins for libcudart and NCCL (gpu_fakes.py), and every result is checked
-against references computed with plain torch.  Launched by tests/test_gpu_path.py at
+host-memory stand-ins for libcudart and NCCL (benchmarks/jobs/gpu_fakes.py, shared with
+benchmarks/gpu_host_cost_bench.py), and every result is checked against references computed
+with plain torch.  Launched by tests/test_gpu_path.py at
 2 ranks (NCCL path), 2 x 2 virtual nodes (hierarchical NCCL path) and with
 AIAK_GPU_TRANSPORT=mpi (staged path).
 """
@@ -14,11 +15,10 @@ import torch
 import aiak_training.torch as hvd
 from aiak_training.runtime import current
 from aiak_training.runtime.entries import TensorEntry
-from aiak_training.runtime import gpu_executor
-from aiak_training.common.gpu import kernels, nccl
+from aiak_training.common.gpu import kernels
 from aiak_training.common.messages import OpType, Request
 from aiak_training.torch.submission import _DTYPES
-from gpu_fakes import FakeCommunicator, FakeLibrary, FakeRuntime
+from gpu_fakes import FakeLibrary, FakeRuntime, install, submit_allreduce
 from helpers import (FLOAT_TYPES, INT_TYPES, cast_like, my_reducescatter_block, rank_data,
                      reference_reduce)
 
@@ -35,15 +35,9 @@ _names = itertools.count()
 def fake_gpu():
     # AIAK_TEST_NO_KERNEL=1: as if setup.py had no nvcc (one cudaMemcpyAsync per tensor).
     kernel = None if os.environ.get("AIAK_TEST_NO_KERNEL") == "1" else True
-    patches = [(gpu_executor, "runtime", lambda: RUNTIME), (nccl, "library", lambda: LIBRARY),
-               (nccl, "Communicator", FakeCommunicator), (kernels, "library", lambda: kernel),
-               (kernels, "batched_copy", _batched_copy)]
-    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
-    for mod, name, value in patches:
-        setattr(mod, name, value)
+    restore = install(RUNTIME, LIBRARY, kernel, _batched_copy)
     yield
-    for mod, name, value in saved:
-        setattr(mod, name, value)
+    restore()
 
 
 def _batched_copy(dsts, srcs, sizes, stream):
@@ -67,14 +61,9 @@ def run(op_type, tensors, outputs=None, name=None, ready_event=0, **fields):
     if op_type == OpType.ALLREDUCE:  # as the torch frontend submits it: lists, one wait
         names = [f"gpu_exec.{name}.{i}" if name else f"gpu_exec.{next(_names)}"
                  for i in range(len(tensors))]
-        handles = engine.submit_allreduces(
-            0, hvd.rank(), names, [int(_DTYPES[t.dtype]) for t in tensors],
-            [tuple(t.shape) for t in tensors], [t.data_ptr() for t in tensors],
-            [o.data_ptr() for o in outputs], fields.get("reduce_op", hvd.Sum),
-            fields.get("prescale", 1.0), fields.get("postscale", 1.0), (tensors, outputs),
-            device=0, ready_event=ready_event)
-        results, events = engine.wait_all(handles)
-        assert all(events), "GPU ops complete with an event"
+        results, events = submit_allreduce(
+            tensors, outputs, names, fields.get("reduce_op", hvd.Sum),
+            fields.get("prescale", 1.0), fields.get("postscale", 1.0), ready_event)
         EVENTS[:] = events
         return outputs, results
     allocated = [None] * len(tensors)

@@ -187,7 +187,7 @@ def test_mixed_dtypes_get_their_own_buckets():
     train(dense, dopt, steps=5)
     model, opt = make("adam", True, double_head=True)
     train(model, opt, steps=5)
-    assert {b.flat.dtype for b in opt._buckets} == {torch.float32, torch.float64}
+    assert {b.storage.dtype for b in opt._buckets} == {torch.float32, torch.float64}
     assert all(len({p.dtype for p in b.params}) == 1 for b in opt._buckets)
     assert_same(flat(model), flat(dense), exact_layout())
 
@@ -381,7 +381,7 @@ def test_state_is_one_shard():
 # ---- flat parameter storage ------------------------------------------------------------------
 def views_of_buckets(opt):
     """Whether every sharded parameter's storage is its slice of its bucket's flat buffer."""
-    return all(p.data_ptr() == b.flat[off:].data_ptr() and p.is_contiguous()
+    return all(p.data_ptr() == b.storage[off:].data_ptr() and p.is_contiguous()
                for b in opt._buckets for p, off in zip(b.params, b.offsets))
 
 
@@ -444,14 +444,14 @@ def test_replaced_parameter_data_is_taken_back_into_its_bucket():
     assert_same(flat(model), flat(dense), exact_layout())
 
 
-def test_flat_gradients_are_views_reduced_in_place(grads):
+def test_kept_gradients_are_views_reduced_in_place(grads):
     model, opt = make("adam", True)
     dense, dopt = make("adam", False)
-    assert all((b.flat_grad is not None) == (grads == "flat") for b in opt._buckets)
+    assert all((b.grad_buffer is not None) == (grads == "kept") for b in opt._buckets)
     without_grad = set(opt._bucket_of)  # parameters whose p.grad is None before zero_grad
     for step in range(4):
         # zero_grad() (set_to_none) leaves p.grad None, as torch does; set_to_none=False keeps
-        # the flat buffer's views, which the next backward accumulates into in place.  (On
+        # the gradient buffer's views, which the next backward accumulates into in place.  (On
         # one rank, bounded gradients are None after a step, so the plain optimizer's zero
         # gradient of the block unused on odd steps is missing there: the docs' Limits.)
         to_none = step < 2 or (grads == "bounded" and hvd.size() == 1)
@@ -464,9 +464,9 @@ def test_flat_gradients_are_views_reduced_in_place(grads):
             o.synchronize()
         for b in opt._buckets:
             for p, off in zip(b.params, b.offsets):
-                if grads == "flat" and p not in b.missing:
+                if grads == "kept" and p not in b.missing:
                     # This rank's own gradient, in the bucket's buffer.
-                    assert p.grad.data_ptr() == b.flat_grad[off:].data_ptr()
+                    assert p.grad.data_ptr() == b.grad_buffer[off:].data_ptr()
                 else:  # freed once reduced; a missing gradient stays missing, as in dense
                     assert p.grad is None
         without_grad = {p for p in opt._bucket_of if p.grad is None}
@@ -481,8 +481,17 @@ def test_flat_gradients_are_views_reduced_in_place(grads):
 
 def test_gradient_mode_from_environment_is_checked(monkeypatch):
     monkeypatch.setenv(sharded.GRADIENTS_ENV_VAR, "sideways")
-    with pytest.raises(ValueError, match="AIAK_SHARD_GRADIENTS='sideways'.*bounded, flat"):
+    with pytest.raises(ValueError, match="AIAK_SHARD_GRADIENTS='sideways'.*bounded, kept, flat"):
         make("adam", True)
+
+
+def test_gradient_mode_accepts_its_older_name(monkeypatch):
+    monkeypatch.setenv(sharded.GRADIENTS_ENV_VAR, "FLAT")
+    _, opt = make("adam", True)
+    assert all(b.grad_buffer is not None for b in opt._buckets)
+    monkeypatch.setenv(sharded.GRADIENTS_ENV_VAR, "bounded")
+    _, opt = make("adam", True)
+    assert all(b.grad_buffer is None for b in opt._buckets)
 
 
 def test_parameter_converted_after_building_names_it():

@@ -171,11 +171,11 @@ def test_many_independent_allreduces_in_one_function_run_in_program_order():
 
 
 def test_large_results_reuse_memory_only_when_free():
-    """Results of 1 MiB and more come from reused memory (runtime/array_pool.py): a result
+    """Results of 1 MiB and more come from reused memory (runtime/arrays/array_pool.py): a result
     still held must never be handed out again."""
     import gc
 
-    from aiak_training.runtime.array_pool import pool
+    from aiak_training.runtime.arrays.array_pool import pool
     n = hvd.size()
     x = tf.fill([1 << 19], 1.0)  # 2 MiB
     graph = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum))

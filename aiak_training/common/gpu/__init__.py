@@ -9,6 +9,7 @@ links against a framework, so one install works with every framework version.
 * :mod:`.nccl`: communicators and collectives.
 * :mod:`.kernels`: the batched-copy kernel built from ``csrc/cuda``.
 
-The executor that runs GPU collectives on these is :mod:`aiak_training.runtime.gpu_executor`;
-the hierarchical NCCL allreduce is :mod:`aiak_training.allreduce.hier_nccl`.
+The executor that runs GPU collectives on these is
+:mod:`aiak_training.runtime.execute.gpu_executor`; the hierarchical NCCL allreduce is
+:mod:`aiak_training.allreduce.hier_nccl`.
 """

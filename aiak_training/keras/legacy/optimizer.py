@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from aiak_training.common import horovod_strings as hs
 from aiak_training.keras import _flavour
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow.compression import Compression
 from aiak_training.tensorflow.gradients import (allreduce_gradients, check_gradient_options,
                                                 divide_gradient)

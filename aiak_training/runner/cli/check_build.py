@@ -111,7 +111,7 @@ def _cuda_line() -> str:
 def _gpu_path_line(nccl: int) -> str:
     """Which transport CUDA tensors take (aiak_training.common.gpu), given the settings; the
     start-up line's "GPU collectives" word comes from the same function."""
-    from aiak_training.runtime.startup_line import gpu_path, visible_gpus
+    from aiak_training.runtime.diagnostics.startup_line import gpu_path, visible_gpus
     try:
         from aiak_training.common.config import gpu_transport_setting
         wanted = gpu_transport_setting()

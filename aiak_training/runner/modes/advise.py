@@ -3,7 +3,7 @@
 Two bounded runs of the job, each an ordinary aiakrun launch with the same flags (hosts,
 transport, ``--virtual-hosts``...), then a table printed by aiakrun:
 
-1. the link probe (:mod:`aiak_training.advisor.probe`) in place of the script;
+1. the link measurement (:mod:`aiak_training.advisor.link_measure`) in place of the script;
 2. the script itself, profiled by :mod:`aiak_training.advisor.trace` (through a
    ``sitecustomize`` on ``PYTHONPATH``), which stops it after a few steps.
 
@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import aiak_training.advisor as advisor_pkg
 from aiak_training.advisor import trace
 from aiak_training.advisor.model import Cluster, Profile, predict_table
-from aiak_training.advisor.report import (apply_what_if, cluster_from_probe, format_table,
+from aiak_training.advisor.report import (apply_what_if, cluster_from_measurement, format_table,
                                           profile_from_ranks, recommend)
 
 BUDGET_ENV = "AIAK_ADVISE_BUDGET_S"
@@ -102,8 +102,8 @@ def _tail(text: str, lines: int = 20) -> str:
 
 
 def _measure_links(flags: Sequence[str], work: str, budget: float) -> Dict[str, Any]:
-    out_path = os.path.join(work, "probe.json")
-    code, out = _launch(flags, [sys.executable, "-m", "aiak_training.advisor.probe", out_path],
+    out_path = os.path.join(work, "links.json")
+    code, out = _launch(flags, [sys.executable, "-m", "aiak_training.advisor.link_measure", out_path],
                         dict(os.environ), budget)
     if code is None:
         raise AdviseError(f"the link measurement ran past its budget of {budget:g} s "
@@ -164,18 +164,18 @@ def run_advise(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
         budget = _budget()
         with tempfile.TemporaryDirectory(prefix="aiakadvise.") as work:
             print("aiakrun --advise: measuring the links...", file=sys.stderr, flush=True)
-            probe = _measure_links(flags, work, budget)
+            measured = _measure_links(flags, work, budget)
             print("aiakrun --advise: profiling the script...", file=sys.stderr, flush=True)
             docs = _profile_script(flags, args.command, work, budget)
     except AdviseError as exc:
         print(f"aiakrun: error: --advise: {exc}", file=sys.stderr)
         return 1
-    cluster = cluster_from_probe(probe)
+    cluster = cluster_from_measurement(measured)
     if args.what_if is not None:
-        cluster = apply_what_if(cluster, args.what_if, measured_net=bool(probe.get("links")))
+        cluster = apply_what_if(cluster, args.what_if, measured_net=bool(measured.get("links")))
     profile = profile_from_ranks(docs)
     print(format_table(profile, cluster, what_if=args.what_if,
-                       links=() if args.what_if else probe.get("links") or (),
+                       links=() if args.what_if else measured.get("links") or (),
                        optimizer=docs[0].get("optimizer", "")))
     took = time.monotonic() - start
     print(f"(measured in {took:.1f} s)")

@@ -68,9 +68,9 @@ def algorithm_name(algorithm: object) -> str:
 def hierarchy_possible(config: Config, topology: Topology) -> bool:
     """Whether this job's layout allows a hierarchical allreduce (several nodes, some with
     more than one rank, over MPI): the rules of :func:`resolve_algorithm`."""
-    probe = dataclasses.replace(config, allreduce_algo="hier_staged",
+    trial = dataclasses.replace(config, allreduce_algo="hier_staged",
                                 hierarchical_allreduce=None)
-    return resolve_algorithm(probe, topology, is_global=True)[0] != "flat"
+    return resolve_algorithm(trial, topology, is_global=True)[0] != "flat"
 
 
 def tunable_algorithms(config: Config, topology: Topology, current: object,

@@ -1,15 +1,17 @@
 """The engine's transport: the one interface negotiation and data movement talk through.
 
 The engine (``runtime/engine.py`` and, through ``gloo_calls.py``, the C++ negotiation of
-``csrc/engine/``), the executors (``runtime/executor.py``, ``runtime/host_collectives.py``),
-the topology (``common/topology.py``), the flat allreduce and the watchdog use a
+``csrc/engine/``), the executors (``runtime/execute/executor.py``,
+``runtime/execute/host_collectives.py``), the topology (``common/topology.py``), the flat
+allreduce and the watchdog use a
 communicator object with exactly the methods of :class:`Comm` below, named and
 called as in mpi4py.  Two implementations:
 
 * **MPI**: an ``mpi4py.MPI.Comm`` itself.  Nothing is wrapped, so the MPI path costs what it
   cost before a second transport existed.
-* **Gloo**: :class:`aiak_training.runtime.transport.gloo.GlooComm`, which runs the same calls
-  on ``torch.distributed``'s Gloo process groups over a ``TCPStore`` rendezvous.
+* **Gloo**: :class:`aiak_training.runtime.transport.gloo_comm.GlooComm`, which runs the same
+  calls on ``torch.distributed``'s Gloo process groups over a ``TCPStore`` rendezvous
+  (``gloo.py`` forms the world).
 
 Keeping mpi4py's calling convention (buffer specs ``[buffer, count, datatype]``, ``MPI.IN_PLACE``,
 ``MPI.COMM_NULL`` for "not a member") means negotiation, fusion, the response cache, process

@@ -14,12 +14,12 @@ from typing import Any, Dict
 import torch
 
 from aiak_training.common.dtypes import DataType
-from aiak_training.runtime.transport.gloo import GlooComm, byte_view
+from aiak_training.runtime.transport.gloo_comm import GlooComm, byte_view
 
 #: Element-type handle of negotiation's bit vector (only ever reduced with BAND, which is the
 #: same on int64).
 UINT64 = 100
-#: Reduce-op handles: the index of each word (the words GlooComm._allreduce_tensor reduces).
+#: Reduce-op ids: the index of each word (the words GlooComm.allreduce_tensor reduces).
 OP_WORDS = ("sum", "min", "max", "prod", "lor", "land", "band")
 
 
@@ -61,12 +61,12 @@ class GlooCalls:
         group = self._comms[comm]
         if group.Get_size() > 1:
             kind = DataType.INT64 if dtype == UINT64 else DataType(dtype)
-            group._allreduce_tensor(byte_view(data, len(data)), kind, OP_WORDS[op])
+            group.allreduce_tensor(byte_view(data, len(data)), kind, OP_WORDS[op])
 
     def bcast(self, data: memoryview, root: int, comm: int) -> None:
         group = self._comms[comm]
         if group.Get_size() > 1:
-            group._broadcast_tensor(byte_view(data, len(data)), root)
+            group.broadcast_tensor(byte_view(data, len(data)), root)
 
     def gather(self, data: memoryview, recv: int, root: int, comm: int) -> None:
         """Equal pieces from every rank, back to back at ``recv`` on the root."""
@@ -96,7 +96,7 @@ class GlooCalls:
             return
         # Gloo gathers equal pieces: every rank pads to the widest, which only the root knew.
         width = torch.tensor([nbytes], dtype=torch.int64)
-        group._allreduce_tensor(width.view(torch.uint8), DataType.INT64, "max")
+        group.allreduce_tensor(width.view(torch.uint8), DataType.INT64, "max")
         padded = torch.zeros(int(width.item()), dtype=torch.uint8)
         padded[:nbytes].copy_(mine)
         pieces = [torch.empty_like(padded) for _ in range(size)] if rank == root else None

@@ -57,7 +57,7 @@ Requirements: Linux, root, ``ip`` and ``tc`` (iproute2), ``unshare`` and ``hostn
 """
 from aiak_training.testing.cluster.cli import build_parser, main, parse_cli
 from aiak_training.testing.cluster.constants import (IFACE_NAME, LOCK_DIR, MAX_NODES,
-                                                     MPI_TRANSPORT_ENV, PROBE_PORT, SUBNET,
+                                                     MPI_TRANSPORT_ENV, LINK_RATE_PORT, SUBNET,
                                                      ClusterError, ClusterUnavailable,
                                                      LinkRateMismatch)
 from aiak_training.testing.cluster.emulator import EmulatedCluster

@@ -17,8 +17,8 @@ NAME_STEM = "aiak"
 PREFIX_RE = re.compile(r"^aiak\d{3}$")
 #: Lock files that claim a prefix; /run is a tmpfs, cleared (like the namespaces) at boot.
 LOCK_DIR = "/run/aiak_cluster"
-#: TCP port of the link-rate probe; it only listens inside this run's node-1 namespace.
-PROBE_PORT = 47001
+#: TCP port of the link-rate measurement; it only listens inside this run's node-1 namespace.
+LINK_RATE_PORT = 47001
 
 #: Environment that makes this MPICH wheel (ch4, netmods ucx and ofi; ucx is the default)
 #: carry inter-node traffic over TCP on the emulated links.  Without it, UCX picks its

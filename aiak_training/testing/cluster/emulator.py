@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 
 from aiak_training.testing import launch_agent
 from aiak_training.testing.cluster.constants import (IFACE_NAME, MAX_NODES, MPI_TRANSPORT_ENV,
-                                                     PROBE_PORT, SUBNET, ClusterError,
+                                                     LINK_RATE_PORT, SUBNET, ClusterError,
                                                      ClusterUnavailable, LinkRateMismatch)
 from aiak_training.testing.cluster.impairments import LinkImpairments, LinkStaller
 from aiak_training.testing.cluster.mpiexec import find_mpiexec, mpiexec_args
@@ -31,13 +31,13 @@ from aiak_training.testing.cluster.requirements import static_requirements, tool
 
 
 # --------------------------------------------------------------------------------------------
-# Programs run inside the namespaces: the launch agent (launch_agent.py) and the link probe
-# (link_probe.py), both next to this file and run by path with an isolated interpreter.
+# Programs run inside the namespaces: the launch agent (launch_agent.py) and the link-rate program
+# (link_rate.py), both next to this file and run by path with an isolated interpreter.
 
 # testing/, the folder above this package.
 _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _AGENT_PROGRAM = os.path.join(_HERE, "launch_agent.py")
-_PROBE_PROGRAM = os.path.join(_HERE, "link_probe.py")
+_LINK_RATE_PROGRAM = os.path.join(_HERE, "link_rate.py")
 
 # `sh -c` wrapper that sets the node hostname in a fresh UTS namespace, then execs the command.
 _HOSTNAME_EXEC = '"$2" "$1" || exit 125; shift 2; exec "$@"'
@@ -321,21 +321,21 @@ class EmulatedCluster(LinkImpairments):
         warm = self.burst_bytes + (1 << 20)
         limit = seconds + 15
         sink = subprocess.Popen(
-            [ip, "netns", "exec", self.namespaces[dst], py, "-I", _PROBE_PROGRAM, "sink",
-             self.addresses[dst], str(PROBE_PORT), str(limit), str(warm)],
+            [ip, "netns", "exec", self.namespaces[dst], py, "-I", _LINK_RATE_PROGRAM, "sink",
+             self.addresses[dst], str(LINK_RATE_PORT), str(limit), str(warm)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             ready, _, _ = select.select([sink.stdout], [], [], 15)
             if not ready or sink.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
-                raise ClusterError(f"link probe receiver did not start: {sink.stderr.read()}"
+                raise ClusterError(f"link-rate receiver did not start: {sink.stderr.read()}"
                                    if sink.poll() is not None else
-                                   "link probe receiver did not start in 15 s")
+                                   "link-rate receiver did not start in 15 s")
             src_proc = run_quiet(
-                [ip, "netns", "exec", self.namespaces[src], py, "-I", _PROBE_PROGRAM,
-                 "source", self.addresses[dst], str(PROBE_PORT), str(seconds), str(cap)],
+                [ip, "netns", "exec", self.namespaces[src], py, "-I", _LINK_RATE_PROGRAM,
+                 "source", self.addresses[dst], str(LINK_RATE_PORT), str(seconds), str(cap)],
                 timeout=limit + 5)
             if src_proc.returncode != 0:
-                raise ClusterError(f"link probe sender failed (node {src} -> node {dst}): "
+                raise ClusterError(f"link-rate sender failed (node {src} -> node {dst}): "
                                    f"{src_proc.stderr.strip()}")
             out, err = sink.communicate(timeout=limit)
         finally:
@@ -345,9 +345,9 @@ class EmulatedCluster(LinkImpairments):
         try:
             report = json.loads(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
-            raise ClusterError(f"link probe receiver failed: {err.strip()}") from None
+            raise ClusterError(f"link-rate receiver failed: {err.strip()}") from None
         if report["seconds"] <= 0.05:
-            raise ClusterError(f"link probe too short to measure: {report}")
+            raise ClusterError(f"link-rate run too short to measure: {report}")
         gbit = report["bytes"] * 8 / report["seconds"] / 1e9
         return {"src": src, "dst": dst, "bytes": report["bytes"], "seconds": report["seconds"],
                 "gbit": gbit, "nominal_gbit": self.rate_gbit}

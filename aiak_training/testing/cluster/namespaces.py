@@ -235,32 +235,32 @@ def cleanup_stale(log: Callable[[str], None] | None = None) -> list[str]:
     return cleaned
 
 
-#: What can_emulate's probe found, cached for the life of the process.
-_PROBE_RESULT: tuple[bool, str] | None = None
+#: What can_emulate's trial found, cached for the life of the process.
+_TRIAL_RESULT: tuple[bool, str] | None = None
 
 
-def can_emulate(probe: bool = True) -> tuple[bool, str]:
+def can_emulate(try_it: bool = True) -> tuple[bool, str]:
     """Whether a cluster can be emulated here, and why not (or a short "ok" note).
 
-    Checks root and the tools; with ``probe`` also creates (and removes) a namespace, a veth
+    Checks root and the tools; with ``try_it`` also creates (and removes) a namespace, a veth
     pair with a tbf qdisc and a bridge, and tries ``unshare --uts``, because containers often
-    have the tools but not the capabilities.  The probe result is cached per process.
+    have the tools but not the capabilities.  The trial's result is cached per process.
     """
-    global _PROBE_RESULT
+    global _TRIAL_RESULT
     reason = static_requirements()
     if reason:
         return False, reason
-    if not probe:
-        return True, "root and tools present (not probed)"
-    if _PROBE_RESULT is not None:
-        return _PROBE_RESULT
+    if not try_it:
+        return True, "root and tools present (not tried)"
+    if _TRIAL_RESULT is not None:
+        return _TRIAL_RESULT
     tools, _ = tool_paths()
     try:
         r = subprocess.run([tools["unshare"], "--uts", "true"], capture_output=True, text=True,
                            timeout=10)
         if r.returncode != 0:
-            _PROBE_RESULT = (False, f"'unshare --uts' failed: {r.stderr.strip()}")
-            return _PROBE_RESULT
+            _TRIAL_RESULT = (False, f"'unshare --uts' failed: {r.stderr.strip()}")
+            return _TRIAL_RESULT
         prefix = claim_prefix()
         try:
             ns, sw, veth, br = f"{prefix}n0", f"{prefix}sw", f"{prefix}v0", f"{prefix}br"
@@ -278,14 +278,14 @@ def can_emulate(probe: bool = True) -> tuple[bool, str]:
             for step in steps:
                 r = subprocess.run(step, capture_output=True, text=True, timeout=10)
                 if r.returncode != 0:
-                    _PROBE_RESULT = (False, f"'{shlex.join(step)}' failed: "
+                    _TRIAL_RESULT = (False, f"'{shlex.join(step)}' failed: "
                                             f"{r.stderr.strip() or r.returncode}")
-                    return _PROBE_RESULT
+                    return _TRIAL_RESULT
         finally:
             destroy(prefix, log=None)
             release_prefix(prefix)
     except (OSError, subprocess.SubprocessError, ClusterError) as exc:
-        _PROBE_RESULT = (False, f"namespace probe failed: {exc}")
-        return _PROBE_RESULT
-    _PROBE_RESULT = (True, "root, ip/tc/unshare present, netns+veth+bridge+tbf work")
-    return _PROBE_RESULT
+        _TRIAL_RESULT = (False, f"namespace trial failed: {exc}")
+        return _TRIAL_RESULT
+    _TRIAL_RESULT = (True, "root, ip/tc/unshare present, netns+veth+bridge+tbf work")
+    return _TRIAL_RESULT

@@ -19,8 +19,8 @@ from typing import Any, Optional
 import torch
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.runtime import startup_line as _startup_line
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.diagnostics import startup_line as _startup_line
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.compression import Compression
 from aiak_training.torch.mpi_ops import Adasum, Average, size
 from aiak_training.torch.optim import overlap as _overlap
@@ -121,7 +121,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped = wrap(optimizer, _DistributedOptimizer, named_parameters, compression,
                    backward_passes_per_step, op, gradient_predivide_factor, groups,
                    sparse_as_dense, process_set, overlap_update)
-    # Rank 0 says what this optimizer runs with (runtime/startup_line.py).
+    # Rank 0 says what this optimizer runs with (runtime/diagnostics/startup_line.py).
     _startup_line.announce_optimizer(wrapped, compression, _overlap.requested(overlap_update))
     return wrapped
 

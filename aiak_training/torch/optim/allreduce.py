@@ -20,7 +20,7 @@ import torch
 
 from aiak_training.common import horovod_strings as hs
 from aiak_training.common.grouping import group_positions
-from aiak_training.runtime.process_sets import global_process_set
+from aiak_training.runtime.sets.process_sets import global_process_set
 from aiak_training.torch.mpi_ops import (Average, allreduce_async_, grouped_allreduce_async_,
                                          size, sparse_allreduce_async, synchronize)
 from aiak_training.torch.optim import overlap as _overlap

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from aiak_training.common import horovod_strings as hs
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.mpi_ops import Average
 
 NamedParameters = Iterable[Tuple[str, torch.Tensor]]

@@ -4,17 +4,17 @@ Each rank keeps the optimizer state of 1/N of the parameters only (ZeRO stage 1,
 gradients reduce-scattered as in stage 2):
 
 * the trainable parameters are cut into buckets (per param group, dtype and device kind, in
-  name order, up to ``AIAK_SHARD_BUCKET_BYTES``, default 16 MiB).  A bucket is the flat
+  name order, up to ``AIAK_SHARD_BUCKET_BYTES``, default 16 MiB).  A bucket is the packed
   concatenation of its parameters, padded to a multiple of N; rank r owns its r-th contiguous
   slice (the *shard*), so every rank holds the same number of bytes, to N - 1 elements;
 * when every gradient of a bucket is ready in backward (after ``backward_passes_per_step``
   passes), the bucket is reduce-scattered by the engine (``op`` Average or Sum, with
   ``gradient_predivide_factor``) straight into the shard's gradient buffer.  With bounded
   gradients (``AIAK_SHARD_GRADIENTS``, the default) each gradient is added into its
-  bucket's flat buffer as soon as autograd has accumulated it, and freed (``p.grad =
-  None``); at most ``REDUCES_IN_FLIGHT`` reduce-scatters run at once, so flat buffers exist
+  bucket's packed buffer as soon as autograd has accumulated it, and freed (``p.grad =
+  None``); at most ``REDUCES_IN_FLIGHT`` reduce-scatters run at once, so packed buffers exist
   only for those and for the buckets being filled, and they are reused (memory: a few
-  buckets).  With flat gradients each bucket owns a gradient buffer, every ``p.grad`` is a
+  buckets).  With kept gradients each bucket owns a gradient buffer, every ``p.grad`` is a
   view of it, and it is reduce-scattered from there (no copy where autograd accumulated
   into the view; the gradients' memory is kept, as dense);
 * ``step()`` runs the wrapped optimizer on the shard only: each param group's ``params`` is
@@ -22,7 +22,7 @@ gradients reduce-scattered as in stage 2):
   (part) it holds, with views of the reduced shard gradient as ``.grad``.  The optimizer's
   state is keyed by the pieces, so it exists for the shard only;
 * each bucket's updated shard is then allgathered straight into the parameters: a bucket
-  owns its parameters' storage (one flat buffer, each ``p.data`` a view of it), so the
+  owns its parameters' storage (one packed buffer, each ``p.data`` a view of it), so the
   allgather needs no buffer and nothing is copied back.  Collectives write into memory the
   strategy owns (their ``out=`` argument): nothing comes from the output pool, so the memory
   the strategy frees is not kept for reuse.
@@ -44,7 +44,7 @@ so that ``if hvd.rank() == 0: torch.save(opt.state_dict())`` can fail but never 
 ``load_state_dict`` takes a full (plain-optimizer format) state dict from any world size and
 keeps this rank's slices.
 
-The package follows these concepts: ``buckets.py`` (buckets and flat storage), ``reduce.py``
+The package follows these concepts: ``buckets.py`` (buckets and packed storage), ``reduce.py``
 (the backward reduce-scatter), ``step.py`` (the step on the shard, FusedLAMB's included),
 ``gather.py`` (the allgather overlapped with forward) and ``checkpoint.py``; each but the
 first is one part of :class:`ShardedStrategy`, which holds the fields they share.
@@ -55,13 +55,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from aiak_training.common.env import env_bytes, env_choice
-from aiak_training.runtime.process_sets import ProcessSet, global_process_set
+from aiak_training.common.env import env_bytes
+from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.mpi_ops import Average, Sum
 from aiak_training.torch.optim import overlap as _overlap
 from aiak_training.torch.optim.sharded.buckets import (BUCKET_ENV_VAR, DEFAULT_BUCKET_BYTES,
                                                        GRADIENT_MODES, GRADIENTS_ENV_VAR,
-                                                       Bucket, BufferCache, make_buckets)
+                                                       Bucket, BufferCache, gradient_mode,
+                                                       make_buckets)
 from aiak_training.torch.optim.sharded.checkpoint import Checkpoints
 from aiak_training.torch.optim.sharded.gather import GatherOverlap, wait_for_all_parameters
 from aiak_training.torch.optim.sharded.reduce import REDUCES_IN_FLIGHT, ReduceScatter
@@ -110,10 +111,10 @@ class ShardedStrategy(GatherOverlap, Checkpoints, ShardStep, ReduceScatter, Dist
                                       "process_set must be the global process set.")
         self.gradient_predivide_factor = gradient_predivide_factor
         self._consolidated: Optional[Dict[str, Any]] = None
-        self._flat_grads = env_choice(GRADIENTS_ENV_VAR, "bounded", GRADIENT_MODES) == "flat"
+        self._kept_grads = gradient_mode() == "kept"
         self._buckets = make_buckets(self.param_groups, self._parameter_names.get,
                                      env_bytes(BUCKET_ENV_VAR, DEFAULT_BUCKET_BYTES, 1),
-                                     self._flat_grads)
+                                     self._kept_grads)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         for p in self._bucket_of:
             self._requires_update.add(p)
@@ -136,6 +137,6 @@ class ShardedStrategy(GatherOverlap, Checkpoints, ShardStep, ReduceScatter, Dist
         # any of them serves any bucket.
         self._buffer_numel: Dict[Tuple[torch.dtype, torch.device], int] = {}
         for b in self._buckets:
-            kind = (b.flat.dtype, b.flat.device)
+            kind = (b.storage.dtype, b.storage.device)
             self._buffer_numel[kind] = max(self._buffer_numel.get(kind, 0), b.padded)
         self._bound_reduces = True  # False after a wait for the oldest one timed out

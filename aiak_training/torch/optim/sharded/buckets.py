@@ -1,10 +1,10 @@
-"""Buckets and flat storage of the sharded strategy.
+"""Buckets and packed storage of the sharded strategy.
 
 The trainable parameters are cut into buckets (per param group, dtype and device kind, in
 name order, up to ``AIAK_SHARD_BUCKET_BYTES``).  A :class:`Bucket` owns its parameters'
-storage, one flat buffer padded to a multiple of the world size, of which this rank owns one
+storage, one packed buffer padded to a multiple of the world size, of which this rank owns one
 contiguous slice (the shard); it also holds the gradient buffers of either gradient mode.
-:class:`BufferCache` keeps the transient flat buffers of the reduce-scatters for reuse.
+:class:`BufferCache` keeps the transient packed buffers of the reduce-scatters for reuse.
 """
 from __future__ import annotations
 
@@ -12,28 +12,37 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from aiak_training.common.env import env_choice
 from aiak_training.torch.mpi_ops import rank, size
 
 BUCKET_ENV_VAR = "AIAK_SHARD_BUCKET_BYTES"
 DEFAULT_BUCKET_BYTES = 16 << 20
 # Where the full gradients live until their reduce-scatter (docs/sharded-optimizer.md):
 # "bounded" (the default) copies each gradient into one of a few reused buffers and frees
-# it (memory: a few buckets); "flat" keeps one gradient buffer per bucket, each ``p.grad``
+# it (memory: a few buckets); "kept" keeps one gradient buffer per bucket, each ``p.grad``
 # a view of it (memory: all the gradients, as dense; no copy where autograd accumulates
 # into the views).
 GRADIENTS_ENV_VAR = "AIAK_SHARD_GRADIENTS"
-GRADIENT_MODES = ("bounded", "flat")
+GRADIENT_MODES = ("bounded", "kept")
+# The older name of "kept", still accepted ("flat" now names only the allreduce algorithm).
+_OLD_MODE_NAMES = {"flat": "kept"}
+
+
+def gradient_mode() -> str:
+    """``AIAK_SHARD_GRADIENTS``: "bounded" (the default) or "kept"."""
+    mode = env_choice(GRADIENTS_ENV_VAR, "bounded", GRADIENT_MODES + tuple(_OLD_MODE_NAMES))
+    return _OLD_MODE_NAMES.get(mode, mode)
 
 
 class Bucket:
     """Consecutive parameters reduced together, and this rank's shard of them.
 
-    The bucket owns its parameters' storage: ``flat`` is their flat concatenation (padded to
+    The bucket owns its parameters' storage: ``storage`` is their concatenation (padded to
     a multiple of N) and each parameter's ``.data`` is a view of its slice, so the allgather
     of the updated shards writes the parameters in place, with no copy back."""
 
     def __init__(self, index: int, group: int, params: List[torch.Tensor], name: str,
-                 nranks: int, me: int, flat_grads: bool):
+                 nranks: int, me: int, kept_grads: bool):
         self.group = group
         self.params = params
         self.name = f"sharded.{index}.{name}"
@@ -46,26 +55,26 @@ class Bucket:
         self.padded = self.shard * nranks
         self.lo = lo = me * self.shard
         first = params[0]
-        self.flat = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
+        self.storage = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
         self.views: List[torch.Tensor] = []
         with torch.no_grad():
             for p, off in zip(params, self.offsets):
-                view = self.flat[off:off + p.numel()].view_as(p)
+                view = self.storage[off:off + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
                 self.views.append(view)
         # This rank's slice of the storage: the optimizer steps it where it lies (the
         # parameters see each update at once) and the allgather sends it in place.
-        self.mine = self.flat[lo:lo + self.shard]
-        # "flat" gradients: the bucket's gradient buffer and each parameter's view of it.
-        self.flat_grad: Optional[torch.Tensor] = None
+        self.mine = self.storage[lo:lo + self.shard]
+        # "kept" gradients: the bucket's gradient buffer and each parameter's view of it.
+        self.grad_buffer: Optional[torch.Tensor] = None
         self.grad_view_of: Dict[torch.Tensor, torch.Tensor] = {}
-        if flat_grads:
-            self.flat_grad = torch.zeros_like(self.flat)
-            self.grad_view_of = {p: self.flat_grad[off:off + p.numel()].view_as(p)
+        if kept_grads:
+            self.grad_buffer = torch.zeros_like(self.storage)
+            self.grad_view_of = {p: self.grad_buffer[off:off + p.numel()].view_as(p)
                                  for p, off in zip(params, self.offsets)}
         # The shard's reduced gradient.  (MPICH's in-place reduce-scatter, which would leave
-        # it at the start of the flat gradient buffer, was 1.3x slower for 16 MiB buckets.)
+        # it at the start of the gradient buffer, was 1.3x slower for 16 MiB buckets.)
         self.grad = torch.zeros_like(self.mine)
         # ("bounded" mode) The reused buffer this bucket's gradients are copied into as they
         # arrive, from the first one until the reduce-scatter starts, and the parameters
@@ -80,12 +89,12 @@ class Bucket:
         for p, off in zip(params, self.offsets):
             a, b = max(lo, off), min(lo + self.shard, off + p.numel())
             if a < b:
-                piece = self.flat[a:b]
+                piece = self.storage[a:b]
                 piece.grad = self.grad[a - lo:b - lo]
                 self.pieces.append((p, a - off, b - off, piece))
 
     def reattach(self, names: Dict[torch.Tensor, str]) -> None:
-        """Make every parameter a view of ``flat`` again where the user replaced its
+        """Make every parameter a view of ``storage`` again where the user replaced its
         ``.data`` (``p.data = t``, ``model.to()`` to another dtype or device), keeping the
         value it now has."""
         for p, view in zip(self.params, self.views):
@@ -103,7 +112,7 @@ class Bucket:
             p.data = view
 
     def adopt_gradient(self, p: torch.Tensor) -> None:
-        """("flat" mode) Make ``p.grad`` its view of the gradient buffer, copying the value in
+        """("kept" mode) Make ``p.grad`` its view of the gradient buffer, copying the value in
         where autograd put it in a tensor of its own (``p.grad`` was None: ``zero_grad()``'s
         default).  Called as soon as the gradient is accumulated, so that tensor is freed at
         once and the allocator reuses its memory for the next one (held until the bucket is
@@ -116,15 +125,15 @@ class Bucket:
             p.grad = view
 
     def gradients_in_place(self) -> torch.Tensor:
-        """("flat" mode) The bucket's gradient buffer holding its gradients: zeros where a
+        """("kept" mode) The bucket's gradient buffer holding its gradients: zeros where a
         gradient is missing (``p.grad`` stays None, as with the dense optimizer)."""
-        assert self.flat_grad is not None
+        assert self.grad_buffer is not None
         for p, view in self.grad_view_of.items():
             if p.grad is None:
                 view.zero_()
             else:
                 self.adopt_gradient(p)  # a gradient set by hand since backward
-        return self.flat_grad
+        return self.grad_buffer
 
     def stage_gradient(self, p: torch.Tensor) -> None:
         """("bounded" mode) Add ``p.grad`` into its place in the staging buffer (a copy for
@@ -162,7 +171,7 @@ class Bucket:
 
 
 def make_buckets(param_groups: List[Dict[str, Any]], name_of: Callable[[torch.Tensor], str],
-                 limit: int, flat_grads: bool) -> List[Bucket]:
+                 limit: int, kept_grads: bool) -> List[Bucket]:
     """The buckets of ``param_groups``' trainable parameters: per param group, dtype and
     device kind, in name order, each up to ``limit`` bytes (the same on every rank)."""
     buckets: List[Bucket] = []
@@ -179,7 +188,7 @@ def make_buckets(param_groups: List[Dict[str, Any]], name_of: Callable[[torch.Te
             for p in kinds[key] + [None]:
                 if run and (p is None or nbytes + p.numel() * p.element_size() > limit):
                     buckets.append(Bucket(len(buckets), gi, run, name_of(run[0]),
-                                          size(), rank(), flat_grads))
+                                          size(), rank(), kept_grads))
                     run, nbytes = [], 0
                 if p is not None:
                     run.append(p)
@@ -204,7 +213,7 @@ class BufferCache:
         self._peak: Dict[Tuple[torch.dtype, torch.device], int] = {}
 
     def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A flat buffer of at least ``numel`` elements of ``like``'s dtype and device
+        """A packed buffer of at least ``numel`` elements of ``like``'s dtype and device
         (contents undefined); give the whole buffer back, not a slice."""
         kind = (like.dtype, like.device)
         self._in_use[kind] = used = self._in_use.get(kind, 0) + 1

@@ -13,7 +13,7 @@ from typing import Any, Dict
 
 import torch
 
-from aiak_training.runtime.call_origin import collective_helper
+from aiak_training.runtime.diagnostics.call_origin import collective_helper
 from aiak_training.torch.mpi_ops import allgather_async, synchronize
 from aiak_training.torch.optim.wrapper import DistributedWrapper
 
@@ -99,14 +99,14 @@ class Checkpoints:
             for key in keys:
                 dtype = next(merged[index[p]][key][1] for p in b.params
                              if key in merged.get(index[p], {}))
-                flat = torch.zeros(b.shard, dtype=dtype, device=b.flat.device)
+                packed = torch.zeros(b.shard, dtype=dtype, device=b.storage.device)
                 lo = b.mine.storage_offset()
                 for _, _, _, piece in b.pieces:
                     value = self.state.get(piece, {}).get(key)
                     if value is not None:
                         start = piece.storage_offset() - lo
-                        flat[start:start + piece.numel()].copy_(value)
-                full = synchronize(allgather_async(flat, name=f"{b.name}.state.{key}",
+                        packed[start:start + piece.numel()].copy_(value)
+                full = synchronize(allgather_async(packed, name=f"{b.name}.state.{key}",
                                                    process_set=self.process_set))
                 for p, off in zip(b.params, b.offsets):
                     if key in merged.get(index[p], {}):

@@ -4,7 +4,7 @@ When every gradient of a bucket is ready in backward (after ``backward_passes_pe
 passes), the bucket is reduce-scattered by the engine straight into the shard's gradient
 buffer (``reducescatter_async(out=)``).  With bounded gradients each gradient is added into
 a reused staging buffer as soon as autograd has accumulated it, and at most
-``REDUCES_IN_FLIGHT`` reduce-scatters run at once; with flat gradients each bucket's own
+``REDUCES_IN_FLIGHT`` reduce-scatters run at once; with kept gradients each bucket's own
 gradient buffer is reduced in place.  ``synchronize()`` finishes them all.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from aiak_training.torch.optim.sharded.buckets import Bucket
 
 log = logging.getLogger("aiak_training")
 
-# Reduce-scatters in flight at once in backward: each holds a flat copy of a bucket's
+# Reduce-scatters in flight at once in backward: each holds a packed copy of a bucket's
 # gradients (up to the bucket size).  Without a bound, backward outruns the engine and holds
 # nearly every bucket's copy, as much memory as the dense gradients.
 REDUCES_IN_FLIGHT = 2
@@ -55,7 +55,7 @@ class ReduceScatter:
             raise ValueError(f"shard_optimizer_state=True: the gradient of "
                              f"{self._parameter_names.get(p)} is sparse (e.g. "
                              "Embedding(sparse=True)); sharding needs dense gradients.")
-        if self._flat_grads:
+        if self._kept_grads:
             bucket.adopt_gradient(p)
         elif p.grad is not None:
             self._stage(bucket).stage_gradient(p)
@@ -74,7 +74,7 @@ class ReduceScatter:
         bucket.missing = {p for p in bucket.params
                           if p.grad is None and p not in bucket.staged}
         pre, post = self._scale_factors()
-        if self._flat_grads:
+        if self._kept_grads:
             # Reduced in place from the bucket's own buffer: no copy (unless autograd put a
             # gradient elsewhere), nothing to bound.
             handle = reducescatter_async(bucket.gradients_in_place(), bucket.name, self.op,
@@ -83,10 +83,10 @@ class ReduceScatter:
             bucket.ready = 0
             return
         buf = self._stage(bucket).staging
-        flat = bucket.staged_gradient()  # every p.grad is None from here on
+        packed = bucket.staged_gradient()  # every p.grad is None from here on
         bucket.staging = None
         # The result goes straight into the shard's gradient buffer: nothing is pooled.
-        handle = reducescatter_async(flat, bucket.name, self.op, self.process_set, pre, post,
+        handle = reducescatter_async(packed, bucket.name, self.op, self.process_set, pre, post,
                                      out=bucket.grad)
         self._handles[bucket] = (handle, buf)
         bucket.ready = 0
@@ -99,7 +99,7 @@ class ReduceScatter:
         their input buffers are reused rather than one allocated per bucket."""
         running = [(b, h, f) for b, (h, f) in self._handles.items()
                    if h is not None and h is not _REDUCED]
-        for bucket, handle, flat in running[:max(0, len(running) - REDUCES_IN_FLIGHT)]:
+        for bucket, handle, packed in running[:max(0, len(running) - REDUCES_IN_FLIGHT)]:
             deadline, pause = time.monotonic() + REDUCE_WAIT_S, 1e-4
             while not poll(handle):
                 if time.monotonic() > deadline:
@@ -113,7 +113,7 @@ class ReduceScatter:
                     return
                 time.sleep(pause)
                 pause = min(2 * pause, 1e-3)  # each wait overshoots by at most this
-            self._finish_reduce(bucket, handle, flat)
+            self._finish_reduce(bucket, handle, packed)
 
     def _stage(self, bucket: Bucket) -> Bucket:
         """``bucket``, with a staging buffer from the first gradient of the step on."""
@@ -122,8 +122,8 @@ class ReduceScatter:
         return bucket
 
     def _take_buffer(self, bucket: Bucket) -> torch.Tensor:
-        """A reused flat buffer that holds at least ``bucket.padded`` elements."""
-        w = bucket.flat
+        """A reused packed buffer that holds at least ``bucket.padded`` elements."""
+        w = bucket.storage
         return self._buffers.take(self._buffer_numel[(w.dtype, w.device)], w)
 
     def _reap(self) -> None:
@@ -131,9 +131,9 @@ class ReduceScatter:
         backward reuses them for the next buckets instead of holding one per bucket until
         ``synchronize()``.  Only polls: waiting here could deadlock ranks whose buckets
         become ready in different orders."""
-        for bucket, (handle, flat) in list(self._handles.items()):
+        for bucket, (handle, packed) in list(self._handles.items()):
             if handle is not None and handle is not _REDUCED and poll(handle):
-                self._finish_reduce(bucket, handle, flat)
+                self._finish_reduce(bucket, handle, packed)
 
     def _finish_reduce(self, bucket: Bucket, handle: Any, buf: Optional[torch.Tensor]
                        ) -> None:
@@ -145,7 +145,7 @@ class ReduceScatter:
     def synchronize(self) -> None:
         """Finish every bucket's reduce-scatter (starting those backward did not), leaving
         this rank's shard of the reduced gradient for ``step()``.  The model's ``p.grad`` are
-        then None (bounded gradients) or this rank's own unreduced gradients (flat ones):
+        then None (bounded gradients) or this rank's own unreduced gradients (kept ones):
         use :meth:`clip_grad_norm_` to clip."""
         self.wait_for_parameters()
         for bucket in self._buckets:  # the same order on every rank
@@ -153,9 +153,9 @@ class ReduceScatter:
             if handle is None:
                 self._start(bucket)
         for bucket in self._buckets:
-            handle, flat = self._handles.pop(bucket)
+            handle, packed = self._handles.pop(bucket)
             if handle is not _REDUCED:
-                self._finish_reduce(bucket, handle, flat)
+                self._finish_reduce(bucket, handle, packed)
             for p in bucket.params:
                 self._passes.rearm(p)
         self._handles.clear()

@@ -136,7 +136,7 @@ class ShardStep:
         # at once.
         for b in self._gather_order:
             self._gathers[b] = allgather_async(b.mine, f"{b.name}.gather", self.process_set,
-                                               out=b.flat)
+                                               out=b.storage)
         self._consolidated = None
         if not self._model_hooks:
             self.wait_for_parameters()

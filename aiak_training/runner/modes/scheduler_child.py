@@ -1,5 +1,5 @@
 """One rank of ``aiak_training.spark.run``:
-``python -m aiak_training.runner.modes.cluster_child IN OUT``.
+``python -m aiak_training.runner.modes.scheduler_child IN OUT``.
 
 It lives outside ``aiak_training.spark`` so that starting a rank does not import pyspark.
 

@@ -1,6 +1,6 @@
 """Collectives on host memory: the data movement both executors share.
 
-The CPU executor (runtime/executor.py) runs them on the tensors' own memory; the GPU
+The CPU executor (runtime/execute/executor.py) runs them on the tensors' own memory; the GPU
 executor's MPI fallback runs them on staged host copies.  Each works on raw addresses over one
 process set's communicator (MPI, or Gloo through the same mpi4py-shaped calls) and runs on the
 engine thread only.
@@ -17,10 +17,10 @@ from aiak_training.common import native
 from aiak_training.common.config import Config
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp, mpi_datatype, mpi_op
 from aiak_training.common.messages import OpType, Response
-from aiak_training.runtime.completion import Completer
 from aiak_training.runtime.entries import SetState, TensorEntry
-from aiak_training.runtime.layouts import (allgather_layout, alltoall_layout, average_postscale,
-                                           reducescatter_layout)
+from aiak_training.runtime.execute.completion import Completer
+from aiak_training.runtime.execute.layouts import (allgather_layout, alltoall_layout,
+                                                   average_postscale, reducescatter_layout)
 
 
 def _buf(addr: int, count: int, dtype: DataType) -> list:

@@ -81,8 +81,8 @@ def gpu_path(wanted: str, nccl_version: int, devices: int) -> Tuple[str, str]:
 def _gpu_transport_part(config) -> str:
     devices = visible_gpus()
     if devices < 1:
-        # Without a GPU the answer is "none" whatever NCCL is: skip its probe, whose dlopen
-        # attempts cost rank 0 ~15 ms inside hvd.init() and let it fall behind its peers.
+        # Without a GPU the answer is "none" whatever NCCL is, so NCCL is not looked for: its
+        # dlopen attempts cost rank 0 ~15 ms inside hvd.init() and let it fall behind its peers.
         return gpu_path(config.gpu_transport, 0, devices)[0]
     from aiak_training.common.host import build_info
     name, _why = gpu_path(config.gpu_transport, build_info.nccl_built(), devices)

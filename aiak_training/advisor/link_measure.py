@@ -1,6 +1,6 @@
 """The advisor's link measurement, run as the job's program on the job's ranks and transport.
 
-``python -m aiak_training.advisor.probe OUT.json``, launched by aiakrun with the job's own
+``python -m aiak_training.advisor.link_measure OUT.json``, launched by aiakrun with the job's own
 flags.  Every collective goes through the engine, over MPI or Gloo as the job would:
 
 * each pair of nodes: a two-rank allreduce between the nodes' first ranks, one pair at a time,
@@ -118,7 +118,7 @@ def measure(hvd: Any) -> Dict[str, Any]:
 
 def main(argv: List[str]) -> int:
     if len(argv) != 1:
-        sys.stderr.write("usage: python -m aiak_training.advisor.probe OUT.json\n")
+        sys.stderr.write("usage: python -m aiak_training.advisor.link_measure OUT.json\n")
         return 2
     os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
     import aiak_training.torch as hvd

@@ -10,8 +10,9 @@ from typing import Any, List
 import cloudpickle
 import numpy as np
 
-from aiak_training.runtime import array_ops, current
-from aiak_training.runtime.process_sets import ProcessSet
+from aiak_training.runtime import current
+from aiak_training.runtime.arrays import array_ops
+from aiak_training.runtime.sets.process_sets import ProcessSet
 
 
 def _gathered_bytes(payload: bytes, name: str, process_set: ProcessSet) -> bytes:

@@ -8,18 +8,18 @@ import threading
 
 import pytest
 
-from aiak_training.runner.modes import cluster_jobs
+from aiak_training.runner.modes import scheduler_jobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_contiguous_order_groups_hosts_in_first_appearance_order():
-    assert cluster_jobs.contiguous_order(["b", "a", "b", "c", "a"]) == [0, 2, 1, 4, 3]
-    assert cluster_jobs.contiguous_order(["x", "x", "y"]) == [0, 1, 2]
+    assert scheduler_jobs.contiguous_order(["b", "a", "b", "c", "a"]) == [0, 2, 1, 4, 3]
+    assert scheduler_jobs.contiguous_order(["x", "x", "y"]) == [0, 1, 2]
 
 
 def test_rank_envs_carry_identity_rendezvous_and_user_overrides():
-    envs = cluster_jobs.rank_envs(["n1", "n1", "n2"], "10.0.0.1", 4242, timeout_s=12,
+    envs = scheduler_jobs.rank_envs(["n1", "n1", "n2"], "10.0.0.1", 4242, timeout_s=12,
                                  nics=["eth1", "eth0"], extra={"X": 1, "HOROVOD_GLOO_IFACE": "ib0"})
     # n1:2 n2:1, numbered by hand: (rank, local rank, local size, cross rank, cross size).
     assert [(e["HOROVOD_RANK"], e["HOROVOD_LOCAL_RANK"], e["HOROVOD_LOCAL_SIZE"],
@@ -35,7 +35,7 @@ def test_rank_envs_carry_identity_rendezvous_and_user_overrides():
         assert "AIAK_GLOO_STORE_PREFIX" not in e
     # Hydra's proxies and the Gloo world need a host's ranks adjacent: say so, do not misplace.
     with pytest.raises(ValueError, match="not contiguous"):
-        cluster_jobs.rank_envs(["a", "b", "a"], "10.0.0.1", 4242)
+        scheduler_jobs.rank_envs(["a", "b", "a"], "10.0.0.1", 4242)
 
 
 def test_pickled_names_the_object_that_cannot_travel():
@@ -45,7 +45,7 @@ def test_pickled_names_the_object_that_cannot_travel():
         return lock
 
     with pytest.raises(TypeError, match=r"function '.*uses_lock' cannot be pickled.*lock"):
-        cluster_jobs.pickled(uses_lock, "function")
+        scheduler_jobs.pickled(uses_lock, "function")
 
 
 @pytest.mark.parametrize("package,extra", [("ray", "ray"), ("pyspark", "spark")])

@@ -1,4 +1,5 @@
-"""Elastic training whose result can be replayed exactly (tests/test_elastic*.py).
+"""Elastic training whose result can be replayed exactly (tests/test_elastic*.py, the Ray and
+Spark tests, benchmarks/elastic_bench.py).
 
 A float64 linear model trained by SGD with momentum, fed by ``hvd.elastic.ElasticSampler``,
 kept in a ``TorchState`` with the sampler and a ``history`` of committed steps.  Each rank's

@@ -1,7 +1,7 @@
 """Executing negotiated responses whose tensors live in GPU memory.
 
-Runs on the engine thread, called by :class:`aiak_training.runtime.executor.Executor` for
-responses with ``gpu=True``.  Allreduces come already fused by the C++ thread, as one
+Runs on the engine thread, called by :class:`aiak_training.runtime.execute.executor.Executor`
+for responses with ``gpu=True``.  Allreduces come already fused by the C++ thread, as one
 :class:`FusedAllreduce` of lists (it holds their entries and completes them with the event
 returned here); the other collectives come as responses.  Everything is enqueued on one
 engine stream per device, which first waits for the tensors' ``ready_event`` (recorded on
@@ -29,69 +29,32 @@ Transports, agreed by all ranks of a process set on its first GPU response:
   allreduce algorithm).  Used when asked for (``AIAK_GPU_TRANSPORT=mpi`` or
   ``HOROVOD_GPU_OPERATIONS=MPI``), when NCCL is not installed, or when ranks share a GPU,
   which NCCL refuses.
+
+This module holds the executor and its resources (streams, buffers, the joined ranks'
+zeros); the transport agreement and the NCCL calls are in ``gpu_nccl.py``, the staging and
+fusion-buffer copies in ``gpu_buffers.py``.
 """
 import logging
-import socket
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Tuple
 
-from aiak_training.allreduce.hier_nccl import (Reduction, hier_chunk_bytes, hier_overlap,
-                                               nccl_hier_allreduce)
 from aiak_training.common.config import Config
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp
 from aiak_training.common.gpu import kernels, nccl
 from aiak_training.common.gpu.cudart import runtime
 from aiak_training.common.messages import OpType, Response
-from aiak_training.runtime.completion import Completer
 from aiak_training.runtime.entries import SetState, TensorEntry
-from aiak_training.runtime.host_collectives import HostCollectives
-from aiak_training.runtime.layouts import (allgather_layout, alltoall_layout, average_postscale,
-                                           reducescatter_layout)
+from aiak_training.runtime.execute.completion import Completer
+from aiak_training.runtime.execute.gpu_buffers import (FUSION_ALIGN, HostBuffer, StagedEntry,
+                                                       copy_buffers, pack, packed_offsets,
+                                                       unpack)
+from aiak_training.runtime.execute.gpu_nccl import (UNSUPPORTED, SetContext, agree_transport,
+                                                    check_async_errors, flat_allreduce,
+                                                    hier_allreduce, hierarchical, nccl_single)
+from aiak_training.runtime.execute.host_collectives import HostCollectives
+from aiak_training.runtime.execute.layouts import average_postscale
 
 log = logging.getLogger("aiak_training")
-
-
-@dataclass
-class _SetContext:
-    """What one process set uses on the GPU: its transport and NCCL communicators."""
-    transport: str
-    reason: str
-    device: int
-    comms: Dict[str, nccl.Communicator] = field(default_factory=dict)
-    hier: bool = False
-    local_rank: int = 0
-    local_size: int = 1
-    nccl_version: int = 0
-    zero_copy_bytes: int = 0
-    chunk_bytes: int = 0
-    overlap: bool = True
-
-
-class _HostBuffer:
-    """A growing pinned host buffer for staging; it is not overwritten while copies out of it
-    may still be in flight (``busy``: an event recorded after the last of them)."""
-
-    def __init__(self, rt):
-        self.rt, self.addr, self.nbytes, self.busy = rt, 0, 0, 0
-
-    def get(self, nbytes: int) -> int:
-        if self.busy:
-            self.rt.event_synchronize(self.busy)
-            self.rt.event_put(self.busy)
-            self.busy = 0
-        if nbytes > self.nbytes:
-            self.rt.free_host(self.addr)
-            self.nbytes = max(nbytes, 2 * self.nbytes)
-            self.addr = self.rt.host_alloc(self.nbytes)
-        return self.addr
-
-    def release_after(self, stream: int) -> None:
-        self.busy = self.rt.record(stream)
-
-    def free(self) -> None:
-        self.rt.free_host(self.addr)
-        self.addr, self.nbytes = 0, 0
 
 
 class FusedAllreduce:
@@ -112,56 +75,6 @@ class FusedAllreduce:
         self.ready_events, self.missing = ready_events, missing
 
 
-class _StagedEntry:
-    """A host stand-in for a GPU entry, for the host collectives."""
-    __slots__ = ("name", "dtype", "shape", "in_addr", "out_addr", "allocate", "count", "nbytes")
-
-    def __init__(self, e: TensorEntry, in_addr: int, out_addr: int, allocate):
-        self.name, self.dtype, self.shape = e.name, e.dtype, e.shape
-        self.count, self.nbytes = e.count, e.nbytes
-        self.in_addr, self.out_addr, self.allocate = in_addr, out_addr, allocate
-
-
-def pack(rt, base: int, srcs: List[int], sizes: List[int], stream: int,
-         batched: bool = False, align: int = 1) -> List[int]:
-    """Copy buffers into ``base`` on ``stream``, each at an offset rounded up to ``align``
-    bytes; return where each landed.
-
-    ``batched`` (device to device only): one kernel launch per 64 buffers
-    (:func:`kernels.batched_copy`), whose 16-byte path needs 16-byte aligned offsets.
-    Otherwise one cudaMemcpyAsync per buffer, which also serves device-to-host staging (the
-    DMA engines copy to pinned memory at full speed).
-    """
-    offsets = packed_offsets(base, sizes, align)
-    _copy(rt, offsets, srcs, sizes, stream, batched)
-    return offsets
-
-
-def packed_offsets(base: int, sizes: List[int], align: int = 1) -> List[int]:
-    offsets, off = [], base
-    for n in sizes:
-        offsets.append(off)
-        off += (n + align - 1) // align * align
-    return offsets
-
-
-def unpack(rt, dsts: List[int], offsets: List[int], sizes: List[int], stream: int,
-           batched: bool = False) -> None:
-    """The inverse of :func:`pack`."""
-    _copy(rt, dsts, offsets, sizes, stream, batched)
-
-
-def _copy(rt, dsts, srcs, sizes, stream, batched) -> None:
-    if batched:
-        kernels.batched_copy(dsts, srcs, sizes, stream)
-        return
-    for dst, src, n in zip(dsts, srcs, sizes):
-        rt.memcpy_async(dst, src, n, stream)
-
-
-FUSION_ALIGN = 16  # bytes between tensors in the device fusion buffer
-
-
 class GpuExecutor:
     def __init__(self, host: HostCollectives, completer: Completer, config: Config,
                  join_device: Callable[[], int]):
@@ -173,10 +86,10 @@ class GpuExecutor:
         self.join_device = join_device
         self.rt = runtime()
         self._streams: Dict[Tuple[int, int], int] = {}
-        self._sets: Dict[int, _SetContext] = {}
+        self._sets: Dict[int, SetContext] = {}
         self._fusion: Dict[int, Tuple[int, int]] = {}   # device -> (address, bytes)
-        self._stage_in = _HostBuffer(self.rt)
-        self._stage_out = _HostBuffer(self.rt)
+        self._stage_in = HostBuffer(self.rt)
+        self._stage_out = HostBuffer(self.rt)
         self._device = -1                                # this rank's device, once seen
         # One launch per 64 tensors for the fusion buffer, where setup.py built the kernels.
         self._batched = kernels.library() is not None
@@ -201,63 +114,15 @@ class GpuExecutor:
             self._fusion[device] = (addr, size)
         return addr
 
-    def _context(self, state: SetState) -> _SetContext:
+    def _context(self, state: SetState) -> SetContext:
         """The set's transport, agreed by all its ranks (collective on first use).  Raises
         if NCCL reported an asynchronous error (a peer failed): the engine then stops and
         aborts the communicators, which releases kernels waiting for that peer."""
         ctx = self._sets.get(state.id)
         if ctx is not None:
-            for comm in ctx.comms.values():
-                error = comm.async_error()
-                if error is not None:
-                    raise nccl.NcclError(f"NCCL reported an asynchronous error: {error}")
+            check_async_errors(ctx)
             return ctx
-        device = self._current_device()
-        want = self.config.gpu_transport
-        problem = None
-        lib = None
-        if want == "nccl":
-            try:
-                lib = nccl.library()
-            except nccl.NcclError as exc:
-                problem = str(exc)
-        where = (socket.gethostname(), self.rt.device_uuid(device))
-        # Settings that decide how many NCCL calls a response makes must agree on every
-        # rank, or the calls would not match: rank 0's values (the lowest NCCL version) win.
-        settings = (lib.version if lib is not None else 0, self.config.zero_copy_bytes,
-                    hier_chunk_bytes(), hier_overlap())
-        views = state.comm.allgather((where, want, problem, settings))
-        transport, reason = "nccl", f"NCCL {nccl.nccl_version_text(lib)}"
-        owners: Dict[tuple, int] = {}
-        for r, (gpu, w, p, _) in enumerate(views):
-            if w == "mpi":
-                transport, reason = "mpi", "AIAK_GPU_TRANSPORT=mpi or HOROVOD_GPU_OPERATIONS=MPI"
-                break
-            if p is not None:
-                transport, reason = "mpi", f"rank {r} cannot use NCCL: {p}"
-                break
-            if gpu in owners:
-                transport, reason = "mpi", (f"ranks {owners[gpu]} and {r} share GPU {gpu[1]} on "
-                                            f"{gpu[0]}, and NCCL needs one GPU per rank")
-                break
-            owners[gpu] = r
-        ctx = _SetContext(transport, reason, device, local_rank=state.topology.local_rank,
-                          local_size=state.topology.local_size,
-                          nccl_version=min(v[3][0] for v in views),
-                          zero_copy_bytes=views[0][3][1], chunk_bytes=views[0][3][2],
-                          overlap=views[0][3][3])
-        if transport == "nccl":
-            ctx.comms["global"] = nccl.Communicator.create(lib, state.comm)
-            topo = state.topology
-            ctx.hier = (getattr(state.algorithm, "name", "flat") != "flat"
-                        and topo.num_nodes > 1 and topo.is_homogeneous and topo.local_size > 1)
-            if ctx.hier:
-                ctx.comms["local"] = nccl.Communicator.create(lib, topo.local_comm)
-                ctx.comms["cross"] = nccl.Communicator.create(lib, topo.cross_comm)
-        if state.rank == 0:
-            (log.info if transport == "nccl" or want == "mpi" else log.warning)(
-                "GPU collectives of process set %d use %s (%s)%s", state.id, transport, reason,
-                "; hierarchical allreduce on NCCL" if ctx.hier else "")
+        ctx = agree_transport(state, self.config, self.rt, self._current_device())
         self._sets[state.id] = ctx
         return ctx
 
@@ -382,7 +247,7 @@ class GpuExecutor:
                 self.rt.wait_event(stream, event)
                 self.rt.event_put(event, uses)
 
-    def _nccl_allreduce(self, ctx: _SetContext, call: FusedAllreduce, nbytes: List[int],
+    def _nccl_allreduce(self, ctx: SetContext, call: FusedAllreduce, nbytes: List[int],
                         dtype: DataType, plan, stream: int) -> None:
         ins, outs, counts = call.ins, call.outs, call.counts
         zero_copy = ctx.zero_copy_bytes
@@ -404,11 +269,11 @@ class GpuExecutor:
             self._device_copy(offsets, [ins[i] for i in packed], sizes, stream)
             if total:
                 calls.append((base, base, total // ITEMSIZE[dtype]))
-        if self._hierarchical(ctx, plan[0], dtype):
+        if hierarchical(ctx, plan[0], dtype):
             for send, recv, count in calls:
                 self._hier_allreduce(ctx, send, recv, count, dtype, plan, stream)
         elif calls:
-            self._flat_allreduce(ctx, calls, dtype, plan, stream)
+            flat_allreduce(ctx, calls, dtype, plan, stream)
         if packed:
             self._device_copy([outs[i] for i in packed], offsets, sizes, stream)
 
@@ -424,44 +289,12 @@ class GpuExecutor:
                 self._batched = False
                 log.warning("the batched-copy kernel failed (%s); the GPU fusion buffer uses "
                             "one cudaMemcpyAsync per tensor from now on", exc)
-        _copy(self.rt, dsts, srcs, sizes, stream, False)
+        copy_buffers(self.rt, dsts, srcs, sizes, stream, False)
 
-    @staticmethod
-    def _hierarchical(ctx: _SetContext, op: int, dtype: DataType) -> bool:
-        # ncclAvg composes over the two levels only for floats (integer division truncates).
-        return ctx.hier and (op != nccl.AVG or dtype in (DataType.FLOAT16, DataType.BFLOAT16,
-                                                         DataType.FLOAT32, DataType.FLOAT64))
-
-    def _flat_allreduce(self, ctx: _SetContext, calls, dtype: DataType, plan,
-                        stream: int) -> None:
-        """The allreduces of one response on the global communicator: one reduction op for
-        all of them, and one NCCL group (one launch) when there are several."""
-        op, factor = plan
-        nccl_dtype = nccl.NCCL_DTYPE[dtype]
-        comm = ctx.comms["global"]
-        # The group ends before the custom op is destroyed: NCCL enqueues grouped calls at
-        # ncclGroupEnd, and the op must outlive them.
-        with Reduction(comm, op, factor, nccl_dtype) as nccl_op:
-            if len(calls) == 1:
-                send, recv, count = calls[0]
-                comm.allreduce(send, recv, count, nccl_dtype, nccl_op, stream)
-                return
-            comm.lib.group_start()
-            try:
-                for send, recv, count in calls:
-                    comm.allreduce(send, recv, count, nccl_dtype, nccl_op, stream)
-            finally:
-                comm.lib.group_end()
-
-    def _hier_allreduce(self, ctx: _SetContext, send: int, recv: int, count: int,
+    def _hier_allreduce(self, ctx: SetContext, send: int, recv: int, count: int,
                         dtype: DataType, plan, stream: int) -> None:
-        op, factor = plan
-        if send != recv:
-            self.rt.memcpy_async(recv, send, count * ITEMSIZE[dtype], stream)
         cross_stream = self._stream(ctx.device, 1) if ctx.overlap else stream
-        nccl_hier_allreduce(self.rt, ctx.comms, recv, count, ITEMSIZE[dtype],
-                            nccl.NCCL_DTYPE[dtype], op, factor, stream, cross_stream,
-                            ctx.local_rank, ctx.local_size, ctx.chunk_bytes)
+        hier_allreduce(self.rt, ctx, send, recv, count, dtype, plan, stream, cross_stream)
 
     def _staged_allreduce(self, state, call: FusedAllreduce, sizes: List[int], dtype, op, pre,
                           post, stream) -> None:
@@ -496,79 +329,14 @@ class GpuExecutor:
         (e,) = self._entries(state, [resp], self._stream)
         ctx = self._context(state)
         stream = self._stream(ctx.device)
-        result = _UNSUPPORTED
+        result = UNSUPPORTED
         if ctx.transport == "nccl":
             self.completer.activity(resp, "NCCL_" + resp.op_type.name)
-            result = self._nccl_single(ctx, state, resp, e, stream)
+            result = nccl_single(ctx, state, resp, e, stream, self._allocate)
             self.completer.activity(resp, None)
-        if result is _UNSUPPORTED:  # the CPU code marks MPI_<OP> on the timeline
+        if result is UNSUPPORTED:  # the CPU code marks MPI_<OP> on the timeline
             result = self._staged_single(state, resp, e, stream)
         self._complete(state, [resp], stream, result=result)
-
-    def _nccl_single(self, ctx, state, resp: Response, e, stream: int):
-        dtype = DataType(resp.dtype)
-        if not nccl.supports(dtype):
-            return _UNSUPPORTED
-        comm, nd, item = ctx.comms["global"], nccl.NCCL_DTYPE[dtype], ITEMSIZE[dtype]
-        lib, me = comm.lib, state.rank
-        if resp.op_type == OpType.BROADCAST:
-            if e.count:
-                comm.broadcast(e.in_addr, e.out_addr, e.count, nd, resp.root, stream)
-            return None
-        if resp.op_type == OpType.ALLGATHER:
-            counts, displs, out_shape = allgather_layout(resp)
-            out = self._allocate(e, out_shape, stream)
-            if len(set(counts)) == 1:
-                if counts[0]:
-                    comm.allgather(e.in_addr, out, counts[0], nd, stream)
-            else:  # first dimensions differ: one broadcast per rank, as one NCCL group
-                lib.group_start()
-                try:
-                    for r, (n, d) in enumerate(zip(counts, displs)):
-                        if n:
-                            comm.broadcast(e.in_addr, out + d * item, n, nd, r, stream)
-                finally:
-                    lib.group_end()
-            return out_shape
-        if resp.op_type == OpType.ALLTOALL:
-            if ctx.nccl_version < 20700:  # no ncclSend/ncclRecv
-                return _UNSUPPORTED
-            send, sdispl, recv, rdispl, recv_rows, out_shape = \
-                alltoall_layout(resp, me, state.size)
-            out = self._allocate(e, out_shape, stream)
-            lib.group_start()
-            try:
-                for r in range(state.size):
-                    if send[r]:
-                        comm.send(e.in_addr + sdispl[r] * item, send[r], nd, r, stream)
-                    if recv[r]:
-                        comm.recv(out + rdispl[r] * item, recv[r], nd, r, stream)
-            finally:
-                lib.group_end()
-            return out_shape, recv_rows
-        # REDUCESCATTER
-        plan = nccl.plan_reduction(dtype, ReduceOp(resp.reduce_op), resp.prescale,
-                                   resp.postscale, state.size, ctx.nccl_version)
-        if plan is None:
-            return _UNSUPPORTED
-        counts, out_shape = reducescatter_layout(resp, me, state.size)
-        out = self._allocate(e, out_shape, stream)
-        if not e.count:
-            return out_shape
-        with Reduction(comm, plan[0], plan[1], nd) as op:
-            if len(set(counts)) == 1:
-                comm.reduce_scatter(e.in_addr, out, counts[0], nd, op, stream)
-            else:  # uneven blocks: one reduce per rank, as one NCCL group
-                lib.group_start()
-                try:
-                    off = 0
-                    for r, n in enumerate(counts):
-                        if n:
-                            comm.reduce(e.in_addr + off * item, out, n, nd, op, r, stream)
-                        off += n
-                finally:
-                    lib.group_end()
-        return out_shape
 
     def _staged_single(self, state, resp: Response, e, stream: int):
         """Copy the input to pinned memory, run the host collective on it, copy the
@@ -585,7 +353,7 @@ class GpuExecutor:
             addr = self._stage_out.get(n * ITEMSIZE[e.dtype])
             staged_out.append((shape, addr, n * ITEMSIZE[e.dtype]))
             return addr
-        proxy = _StagedEntry(e, host_in, host_in, allocate)
+        proxy = StagedEntry(e, host_in, host_in, allocate)
         result = self.host.run_single(state, resp, proxy)
         if resp.op_type == OpType.BROADCAST:
             self.rt.memcpy_async(e.out_addr, host_in, e.nbytes, stream)
@@ -631,5 +399,3 @@ class GpuExecutor:
                 self.rt.free(addr)
             self._fusion.clear()
 
-
-_UNSUPPORTED = object()

@@ -17,10 +17,10 @@ from aiak_training.common import native
 from aiak_training.common.config import Config
 from aiak_training.common.dtypes import ITEMSIZE, DataType, ReduceOp
 from aiak_training.common.messages import CONTROL_OPS, OpType, Response
-from aiak_training.runtime.completion import Completer
 from aiak_training.runtime.entries import SetState, TensorEntry
-from aiak_training.runtime.host_collectives import HostCollectives
-from aiak_training.runtime.layouts import average_postscale, prod
+from aiak_training.runtime.execute.completion import Completer
+from aiak_training.runtime.execute.host_collectives import HostCollectives
+from aiak_training.runtime.execute.layouts import average_postscale, prod
 
 
 class Executor:
@@ -46,7 +46,7 @@ class Executor:
     def _gpu(self):
         """The GPU executor, made on the first GPU response (CPU-only jobs never load CUDA)."""
         if self._gpu_executor is None:
-            from aiak_training.runtime.gpu_executor import GpuExecutor
+            from aiak_training.runtime.execute.gpu_executor import GpuExecutor
             self._gpu_executor = GpuExecutor(self.host, self.completer, self.config,
                                              self.join_device)
         return self._gpu_executor
@@ -65,7 +65,7 @@ class Executor:
     def gpu_allreduce(self, state: SetState, payload: tuple) -> int:
         """Run a fused allreduce of CUDA tensors (the C++ thread fused it, and passes it as
         csrc/engine's GpuAllreduce tuple); returns its completion event."""
-        from aiak_training.runtime.gpu_executor import FusedAllreduce
+        from aiak_training.runtime.execute.gpu_executor import FusedAllreduce
         return self._gpu().allreduce(state, FusedAllreduce(*payload))
 
     def execute(self, state: SetState, responses: List[Response]) -> None:

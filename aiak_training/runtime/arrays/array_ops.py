@@ -23,11 +23,12 @@ from aiak_training.allreduce import adasum as _adasum
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.horovod_strings import TENSOR_TYPE_NOT_SUPPORTED
 from aiak_training.common.messages import OpType, Request
-from aiak_training.runtime import array_pool, current
-from aiak_training.runtime.array_pool import ALIGN  # noqa: F401 - re-exported
+from aiak_training.runtime import current
+from aiak_training.runtime.arrays import array_pool
+from aiak_training.runtime.arrays.array_pool import ALIGN  # noqa: F401 - re-exported
 from aiak_training.runtime.entries import TensorEntry
 from aiak_training.runtime.engine import Engine
-from aiak_training.runtime.process_sets import ProcessSet
+from aiak_training.runtime.sets.process_sets import ProcessSet
 
 
 # numpy's names of the element types the engine moves (bfloat16 is ml_dtypes' type).

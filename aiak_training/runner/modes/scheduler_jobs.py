@@ -1,6 +1,6 @@
 """What the Ray and Spark front ends share: rank layout, worker environment, pickling checks.
 
-Both cluster frameworks place the workers themselves, so the launcher's job shrinks to three
+Both are schedulers: they place and start the workers themselves, so the launcher's job shrinks to three
 things done here: give ranks of one host contiguous numbers (the Gloo transport requires it
 and hierarchical allreduce relies on it), compute each rank's Horovod environment from where
 the workers landed, and start the rendezvous store that Gloo ranks meet at.  Spark tasks

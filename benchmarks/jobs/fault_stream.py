@@ -1,4 +1,4 @@
-"""Per-rank program of the fault tests (tests/test_faults.py).
+"""Per-rank program of the fault tests (tests/test_faults.py) and benchmarks/fault_bounds.py.
 
 ``stream DIR``: a stream of allreduces until something fails (at most LIMIT_S seconds).
 ``stall DIR``: rank 3 never calls a collective; the others wait in one allreduce.

@@ -1,14 +1,14 @@
-"""The emulated cluster's link probe: one TCP stream between two nodes, standard library only.
+"""The emulated cluster's link-rate measurement: one TCP stream between two nodes, standard library only.
 
 Run as a program inside the node namespaces::
 
-    link_probe.py sink HOST PORT LIMIT_S WARMUP_BYTES
-    link_probe.py source HOST PORT DURATION_S MAX_BYTES
+    link_rate.py sink HOST PORT LIMIT_S WARMUP_BYTES
+    link_rate.py source HOST PORT DURATION_S MAX_BYTES
 
 The sink prints ``ready``, accepts one connection and, when it closes, prints one JSON line
 ``{"bytes", "seconds", "total"}``: the bytes and time counted after the first WARMUP_BYTES,
 because TCP slow start and the tbf bucket would otherwise inflate the rate.  The source
-streams zeros for DURATION_S or MAX_BYTES, whichever ends first, so the probe is bounded in
+streams zeros for DURATION_S or MAX_BYTES, whichever ends first, so the measurement is bounded in
 time and size.
 """
 import json
@@ -77,7 +77,7 @@ def source(host: str, port: int, duration_s: float, max_bytes: int) -> None:
 def main(argv: List[str]) -> int:
     roles = {"sink": sink, "source": source}
     if len(argv) != 5 or argv[0] not in roles:
-        sys.stderr.write("usage: link_probe.py {sink|source} HOST PORT SECONDS BYTES\n")
+        sys.stderr.write("usage: link_rate.py {sink|source} HOST PORT SECONDS BYTES\n")
         return 2
     role, host, port, seconds, size = argv
     roles[role](host, int(port), float(seconds), int(size))

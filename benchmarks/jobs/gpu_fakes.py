@@ -8,15 +8,21 @@ wrong offsets, counts or units in the executor give wrong numbers here.
 
 These test the engine's control logic (fusion, layouts, reduction plans, staging, the
 hierarchical pipeline's arithmetic, transport agreement); they say nothing about CUDA itself.
+
+``install`` wires the engine to the stand-ins, and ``submit_allreduce`` hands the engine a
+grouped allreduce of host tensors as the torch frontend hands it CUDA tensors.  Used by
+tests/parallel/test_gpu_executor.py (every rank, every result checked) and by
+benchmarks/gpu_host_cost_bench.py (the host time those steps take).
 """
 import collections
 import ctypes
 import itertools
 import os
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from aiak_training.common.gpu import nccl
+from aiak_training.common.gpu import kernels, nccl
 
 _NP = {nccl.INT8: np.int8, nccl.UINT8: np.uint8, nccl.INT32: np.int32, nccl.UINT32: np.uint32,
        nccl.INT64: np.int64, nccl.UINT64: np.uint64, nccl.FLOAT16: np.float16,
@@ -298,3 +304,43 @@ class FakeCommunicator:
         landing = np.empty(count * np.dtype(_NP[dtype]).itemsize, np.uint8)
         self._run(lambda: [(self.comm.Irecv(landing, source=peer, tag=7),
                             lambda _: ctypes.memmove(buf, landing.ctypes.data, landing.nbytes))])
+
+
+def install(runtime: FakeRuntime, library: FakeLibrary, kernel: Optional[bool],
+            batched_copy: Callable) -> Callable[[], None]:
+    """From now on the GPU executor sees ``runtime`` as libcudart and ``library`` (with
+    :class:`FakeCommunicator`) as NCCL; ``kernel`` stands for the batched-copy kernel's
+    library (None: as if it were not built) and ``batched_copy`` for its launch,
+    ``(dsts, srcs, sizes, stream)``.  Returns a function that puts back what was there."""
+    from aiak_training.runtime.execute import gpu_executor
+    patches = [(gpu_executor, "runtime", lambda: runtime), (nccl, "library", lambda: library),
+               (nccl, "Communicator", FakeCommunicator), (kernels, "library", lambda: kernel),
+               (kernels, "batched_copy", batched_copy)]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in patches]
+    for module, name, value in patches:
+        setattr(module, name, value)
+
+    def restore() -> None:
+        for module, name, value in saved:
+            setattr(module, name, value)
+    return restore
+
+
+def submit_allreduce(tensors: Sequence, outputs: Sequence, names: Sequence[str], reduce_op,
+                     prescale: float = 1.0, postscale: float = 1.0,
+                     ready_event: int = 0) -> Tuple[List, List[int]]:
+    """A grouped allreduce of host tensors into ``outputs``, submitted as the torch frontend
+    submits CUDA tensors on device 0 (one list per field to ``Engine.submit_allreduces``) and
+    waited for with one ``wait_all``.  Returns (results, completion events)."""
+    import aiak_training.torch as hvd
+    from aiak_training.runtime import current
+    from aiak_training.torch.submission import _DTYPES
+    engine = current.engine()
+    handles = engine.submit_allreduces(
+        0, hvd.rank(), list(names), [int(_DTYPES[t.dtype]) for t in tensors],
+        [tuple(t.shape) for t in tensors], [t.data_ptr() for t in tensors],
+        [o.data_ptr() for o in outputs], reduce_op, prescale, postscale, (tensors, outputs),
+        device=0, ready_event=ready_event)
+    results, events = engine.wait_all(handles)
+    assert all(events), "GPU ops complete with an event"
+    return results, events
