@@ -12,10 +12,11 @@ import pytest
 from aiak_training.advisor.model import (CONSTANTS, Cluster, Config, Link, Profile,
                                          configurations, dgc_exchange, flat_allreduce,
                                          hier_pipelined, hier_staged, pack_buckets,
-                                         predict_step, predict_table, ring_allgather,
-                                         ring_allreduce)
+                                         default_config, predict_step, predict_table,
+                                         ring_allgather, ring_allreduce)
 from aiak_training.advisor.model import allreduce_time, schedule_buckets
-from aiak_training.advisor.report import MIN_SWITCH_GAIN, cluster_from_measurement, recommend
+from aiak_training.advisor.report import (MIN_GAIN, MIN_SWITCH_GAIN, cluster_from_measurement,
+                                          recommend, rules_applied)
 from aiak_training.advisor.whatif import WhatIf, WhatIfError, parse_what_if
 from aiak_training.runner.modes.advise import job_flags
 from launch import REPO, env_with
@@ -139,9 +140,16 @@ def test_dgc_is_never_recommended():
     rows = predict_table(p, C2X2)
     fastest = min(rows, key=lambda r: r[1])[0]
     assert fastest.dgc  # 40 MB over 0.1 GB/s: sparse wins by far
-    best, gain = recommend(rows)
-    assert not best.dgc and best.algo == "hier_pipelined" and gain > 1.0
-    assert rows[0][0] == Config("flat") and rows[0][2] == 1.0
+    default = default_config(C2X2)
+    assert default == Config("hier_pipelined")   # two levels: what auto picks
+    best, gain = recommend(rows, default)
+    assert not best.dgc and best.algo == "hier_pipelined"
+    assert [sp for cfg, _, sp in rows if cfg == default] == [1.0]
+    assert gain == pytest.approx(dict((cfg, t) for cfg, t, _ in rows)[default] /
+                                 dict((cfg, t) for cfg, t, _ in rows)[best])
+
+
+FLAT = Config("flat")
 
 
 def test_a_switch_must_gain_five_percent_to_be_recommended():
@@ -153,16 +161,55 @@ def test_a_switch_must_gain_five_percent_to_be_recommended():
             (("flat", True, True), times["flat+overlap+fused"]))]
     # overlap adds 1% on top of fused: inside the model's error, so it is left off
     best, gain = recommend(rows({"flat": 1.0, "flat+overlap": 0.97, "flat+fused": 0.80,
-                                 "flat+overlap+fused": 0.792}))
+                                 "flat+overlap+fused": 0.792}), FLAT)
     assert best == Config("flat", False, True) and gain == pytest.approx(1.25)
     # 10% on top of fused: recommended with both switches
     best, _ = recommend(rows({"flat": 1.0, "flat+overlap": 0.97, "flat+fused": 0.80,
-                              "flat+overlap+fused": 0.72}))
+                              "flat+overlap+fused": 0.72}), FLAT)
     assert best == Config("flat", True, True)
     # both switches together gain 4%: the simplest row within 5% of the fastest is plain
     best, gain = recommend(rows({"flat": 1.0, "flat+overlap": 0.99, "flat+fused": 0.98,
-                                 "flat+overlap+fused": 0.96}))
+                                 "flat+overlap+fused": 0.96}), FLAT)
     assert best == Config("flat") and gain == 1.0
+
+
+def _table(times, default):
+    """Rows as predict_table gives them, from predicted times by row name."""
+    configs = [Config(a, o, f) for a in ("flat", "hier_pipelined") for f in (False, True)
+               for o in (False, True)]
+    return [(cfg, times[cfg.name], times[default.name] / times[cfg.name])
+            for cfg in configs if cfg.name in times]
+
+
+def test_a_row_passed_over_names_its_rule():
+    # One node: flat+fused is 3% faster, under the 5% a switch must gain.
+    times = {"flat": 1.0, "flat+overlap": 0.99, "flat+fused": 0.97, "flat+overlap+fused": 0.98}
+    rows = _table(times, FLAT)
+    best, gain = recommend(rows, FLAT)
+    assert (best, gain) == (FLAT, 1.0)
+    (why,) = rules_applied(rows, best, FLAT)
+    assert why.startswith(f"(flat+fused is predicted {1 / 0.97:.3f}x") and "switch rule" in why
+    # Two levels: flat 1% faster than the default hierarchy, under the 2% gain rule.
+    hier = Config("hier_pipelined")
+    rows = _table({"hier_pipelined": 1.0, "flat": 0.99}, hier)
+    best, gain = recommend(rows, hier)
+    assert (best, gain) == (hier, 1.0)
+    (why,) = rules_applied(rows, best, hier)
+    assert "gain rule" in why and f"{(MIN_GAIN - 1) * 100:.0f}% faster than without" in why
+    assert "switch rule" not in why
+    # Another algorithm plus a switch: the switch earns its flag, the algorithm does not.
+    rows = _table({"hier_pipelined": 1.0, "hier_pipelined+fused": 0.81, "flat+fused": 0.80},
+                  hier)
+    best, gain = recommend(rows, hier)
+    assert best == Config("hier_pipelined", False, True) and gain == pytest.approx(1 / 0.81)
+    (why,) = rules_applied(rows, best, hier)
+    assert why.startswith("(flat+fused is predicted") and "gain rule" in why
+    # A clear winner is recommended with only the flags that differ from the default.
+    rows = _table({"hier_pipelined": 1.0, "hier_pipelined+fused": 0.8, "flat": 1.2}, hier)
+    best, gain = recommend(rows, hier)
+    assert best == Config("hier_pipelined", False, True) and gain == pytest.approx(1.25)
+    assert best.flags_over(hier) == "--fused-optimizer" and not rules_applied(rows, best, hier)
+    assert Config("flat", True).flags_over(hier) == "--allreduce-algo flat --overlap-update"
 
 
 def test_what_if_parsing():
@@ -203,38 +250,52 @@ SCRIPT = os.path.join(REPO, "tests", "scripts", "advise_mlp.py")
 BAD = os.path.join(REPO, "tests", "scripts", "advise_bad.py")
 
 
-_ROW = re.compile(r"^([* ]) (\S+)(?: \[changes numerics\])?\s+([\d.]+)\s+([\d.]+)x  ")
+_ROW = re.compile(r"^([* ]) (\S+)( \(default\))?(?: \[changes numerics\])?\s+([\d.]+)\s+([\d.]+)x  "
+                  r"(.*)$")
 
 
 def _rows(stdout):
-    """{name: (predicted ms, speedup, starred)} from the printed table."""
+    """{name: (predicted ms, speedup, starred, is the default, flags)} from the printed
+    table."""
     rows = {}
     for line in stdout.splitlines():
         m = _ROW.match(line)
         if m:
-            rows[m.group(2)] = (float(m.group(3)), float(m.group(4)), m.group(1) == "*")
+            rows[m.group(2)] = (float(m.group(4)), float(m.group(5)), m.group(1) == "*",
+                                bool(m.group(3)), m.group(6))
     return rows
 
 
-def _check_table(stdout, names):
+def _check_table(stdout, names, default):
     rows = _rows(stdout)
     assert set(rows) == set(names), stdout
-    assert rows["flat"][1] == 1.0
-    for t, speedup, _ in rows.values():
+    # Speedups are over the default, which says so and needs no flag.
+    assert [n for n, r in rows.items() if r[3]] == [default], stdout
+    assert rows[default][1] == 1.0 and rows[default][4] == "none: the default"
+    assert f"speedup over the default, {default}" in stdout
+    for t, speedup, _, _, _ in rows.values():
         assert t > 0 and speedup > 0
     starred = [n for n, r in rows.items() if r[2]]
     assert len(starred) == 1 and starred[0] != "dgc", stdout
-    # the starred row is plain flat (nothing gains 2%), or a lossless row within 5% of the
+    # the starred row is the default (nothing gains 2%), or a lossless row within 5% of the
     # fastest one with no more switches than it (printed times are rounded to 0.01 ms)
     lossless = {n: r for n, r in rows.items() if n != "dgc"}
     fastest = min(lossless, key=lambda n: lossless[n][0])
-    if starred[0] != "flat":
+    if starred[0] != default:
         assert lossless[starred[0]][0] <= lossless[fastest][0] * MIN_SWITCH_GAIN + 0.01, stdout
         switches = [s for s in ("overlap", "fused") if s in starred[0].split("+")]
         assert all(s in fastest.split("+") for s in switches) or \
             lossless[starred[0]][0] <= lossless[fastest][0] + 0.01, stdout
-    assert f"recommendation: {starred[0]}" in stdout or starred[0] == "flat"
+        # The exact flags to add, as the row prints them: no "..." to fill in.
+        assert (f"recommendation: {starred[0]}, predicted" in stdout and
+                f"add {rows[starred[0]][4]} to the aiakrun command" in stdout), stdout
+    else:
+        assert f"recommendation: {default}, the default: no flag needed" in stdout, stdout
+    # A faster row passed over names the rule that passed it over.
+    if fastest != starred[0] and lossless[fastest][0] < lossless[starred[0]][0] - 0.01:
+        assert f"({fastest} is predicted" in stdout and "passed over by the" in stdout, stdout
     assert "dgc [changes numerics]" in stdout
+    assert "..." not in stdout
 
 
 FLAT_ROWS = ["flat", "flat+overlap", "flat+fused", "flat+overlap+fused", "dgc"]
@@ -250,7 +311,7 @@ def test_advise_two_ranks(transport):
     assert f"1 node(s) x 2 rank(s), {transport}" in proc.stdout
     assert "6 gradient tensor(s)" not in proc.stdout and "4 gradient tensor(s)" in proc.stdout
     assert "(Adam), fused" in proc.stdout
-    _check_table(proc.stdout, FLAT_ROWS)
+    _check_table(proc.stdout, FLAT_ROWS, "flat")
     # Two phases of at most AIAK_ADVISE_BUDGET_S (120 s) each; about 15 s on an idle machine.
     assert took < 240, took
 
@@ -262,7 +323,7 @@ def test_advise_virtual_two_by_two(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 node(s) x 2 rank(s), MPI" in proc.stdout
     assert "measured link node 0 <-> node 1" in proc.stdout
-    _check_table(proc.stdout, ALL_ROWS)
+    _check_table(proc.stdout, ALL_ROWS, "hier_pipelined")
     assert took < 240, took
     with open(out) as f:
         doc = json.load(f)
@@ -286,7 +347,7 @@ def test_what_if_predicts_another_cluster():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(what-if): 2 node(s) x 8 rank(s)" in proc.stdout
     assert "network 3.75 GB/s, latency 0.05 ms" in proc.stdout  # 30 Gbit/s, default latency
-    _check_table(proc.stdout, ALL_ROWS)
+    _check_table(proc.stdout, ALL_ROWS, "hier_pipelined")
 
 
 def test_what_if_errors_name_the_field():

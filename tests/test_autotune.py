@@ -171,6 +171,30 @@ def test_the_jobs_setting_stays_unless_clearly_beaten(gain, keeps_start):
 
     search, _ = _run_search(score)
     assert search.best == (START if keeps_start else better)
+    assert search.kept_start is keeps_start
+
+
+@pytest.mark.parametrize("setting", [Setting(32 * MB, 2.5, "hier_staged", False),
+                                     Setting(128 * MB, 1.0, "flat", True),
+                                     Setting(3 * MB // 2, 10.0, "hier_pipelined", True)])
+def test_printed_flags_and_variables_reproduce_the_setting(setting):
+    """What autotune prints at the end, given back to aiakrun, fixes every knob it tuned."""
+    args = parse_args(["-np", "2"] + setting.launcher_flags().split() + ["python", "t.py"])
+    from_flags = flag_env(args, {})
+    printed = dict(a.split("=", 1) for a in setting.environment().split())
+    assert printed["HOROVOD_FUSION_THRESHOLD"] == str(setting.fusion_threshold)
+    assert float(printed["HOROVOD_CYCLE_TIME"]) == setting.cycle_time_ms
+    assert printed["AIAK_ALLREDUCE_ALGO"] == setting.algorithm
+    assert printed.get("HOROVOD_CACHE_CAPACITY") == (None if setting.cache_enabled else "0")
+    # The flags set the same variables (a fusion threshold that is not whole MiB is only
+    # expressible as the variable); either way the knobs count as fixed.
+    shared = {k: v for k, v in printed.items()
+              if k != "HOROVOD_FUSION_THRESHOLD" or setting.fusion_threshold % MB == 0}
+    def same_numbers(env):
+        return {k: float(v) if k == "HOROVOD_CYCLE_TIME" else v for k, v in env.items()}
+    assert same_numbers({k: from_flags[k] for k in shared}) == same_numbers(shared)
+    assert set(fixed_knobs(printed)) == {"fusion_threshold", "cycle_time_ms", "algorithm"} | (
+        set() if setting.cache_enabled else {"cache_enabled"})
 
 
 def test_a_challenger_must_also_win_its_confirmation_sample():
@@ -256,6 +280,11 @@ def _check_run(proc, tmp_path, nranks, steps):
                         f"{final['fusion_threshold'] / MB:g}"] and best[7] == final["algorithm"]
     chosen = re.findall(r"autotune: chose (.*)", proc.stdout)
     assert len(chosen) == 1, proc.stdout                # rank 0 only, once
+    again = re.findall(r"add to the aiakrun command \(without --autotune\): (.*); or set on every "
+                       r"rank: (.*)", proc.stdout)
+    final_setting = Setting(final["fusion_threshold"], final["cycle_time_ms"],
+                            final["algorithm"], final["cache_enabled"])
+    assert again == [(final_setting.launcher_flags(), final_setting.environment())], proc.stdout
     assert chosen[0].startswith(f"fusion threshold {final['fusion_threshold'] / MB:g} MB, "
                                 f"cycle time {final['cycle_time_ms']:g} ms, "
                                 f"allreduce {final['algorithm']}")

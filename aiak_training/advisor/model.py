@@ -159,6 +159,15 @@ class Config:
         extras = [x for x, on in (("overlap", self.overlap), ("fused", self.fused)) if on]
         return "+".join([self.algo] + extras)
 
+    def flags_over(self, default: "Config") -> str:
+        """The flags to add to a job that runs ``default`` (no flag) to get this row."""
+        if self.dgc:
+            return self.flags
+        out = [f"--allreduce-algo {self.algo}"] if self.algo != default.algo else []
+        out += [flag for flag, on in (("--overlap-update", self.overlap),
+                                      ("--fused-optimizer", self.fused)) if on]
+        return " ".join(out)
+
     @property
     def flags(self) -> str:
         if self.dgc:
@@ -314,12 +323,20 @@ def configurations(c: Cluster, fused_available: bool) -> List[Config]:
     return out
 
 
+def default_config(c: Cluster) -> Config:
+    """What the job runs with no flag: ``AIAK_ALLREDUCE_ALGO=auto`` picks hier_pipelined
+    where the layout has two levels (the cluster's ``hierarchical``), flat otherwise; no
+    overlap, no fused optimizer, no compression."""
+    return Config("hier_pipelined" if c.hierarchical else "flat")
+
+
 def predict_table(p: Profile, c: Cluster, k: Constants = CONSTANTS
                   ) -> List[Tuple[Config, float, float]]:
-    """``(config, predicted step s, speedup over plain flat)`` for every row."""
+    """``(config, predicted step s, speedup over the default configuration)`` for every row
+    (:func:`default_config`; its own row has speedup 1)."""
     rows = [(cfg, predict_step(cfg, p, c, k))
             for cfg in configurations(c, p.fused_update_s is not None)]
-    base = rows[0][1]
+    base = dict(rows)[default_config(c)]
     return [(cfg, t, base / t if t > 0 else float("inf")) for cfg, t in rows]
 
 
@@ -331,4 +348,4 @@ def with_network(c: Cluster, nodes: int, ranks_per_node: int, net: Link) -> Clus
 __all__ = ["CONSTANTS", "Constants", "Link", "Cluster", "Profile", "Config", "ring_allreduce",
            "ring_allgather", "flat_allreduce", "hier_staged", "hier_pipelined",
            "allreduce_time", "pack_buckets", "schedule_buckets", "dgc_exchange",
-           "predict_step", "configurations", "predict_table", "with_network"]
+           "predict_step", "configurations", "default_config", "predict_table", "with_network"]

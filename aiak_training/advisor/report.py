@@ -1,13 +1,15 @@
 """From the measurements to the printed table: build the model's inputs, rank the rows."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from aiak_training.advisor.model import (CONSTANTS, Cluster, Config, Link, Profile,
-                                         predict_table, with_network)
+                                         default_config, predict_table, with_network)
 from aiak_training.advisor.whatif import WhatIf
 
-#: A lossless configuration must beat the plain path by this much to be recommended.
+#: A lossless configuration must beat the job's default configuration by this much to be
+#: recommended (the gain rule): a smaller predicted gain is inside the model's error.
 MIN_GAIN = 1.02
 #: A switch (``overlap_update``, a fused optimizer) is recommended only if the configuration
 #: with it is predicted this much faster than the same configuration without it.  Below
@@ -72,16 +74,48 @@ def _fewer_switches(cfg: Config, other: Config) -> bool:
             and other.overlap <= cfg.overlap and other.fused <= cfg.fused)
 
 
-def recommend(rows: Sequence[Tuple[Config, float, float]]) -> Tuple[Config, float]:
+def recommend(rows: Sequence[Tuple[Config, float, float]], default: Config
+              ) -> Tuple[Config, float]:
     """The fastest lossless row, with every switch that does not gain ``MIN_SWITCH_GAIN``
-    turned off again; plain flat when nothing gains ``MIN_GAIN``."""
+    turned off again (the switch rule); ``default`` when that does not beat it by
+    ``MIN_GAIN`` (the gain rule).  Returns the row and its speedup over ``default``."""
     lossless = [r for r in rows if not r[0].dgc]
     best = min(lossless, key=lambda r: r[1])
     simpler = [r for r in lossless if _fewer_switches(best[0], r[0])
                and r[1] < best[1] * MIN_SWITCH_GAIN]
     if simpler:
         best = min(simpler, key=lambda r: (_switches(r[0]), r[1]))
-    return (best[0], best[2]) if best[2] >= MIN_GAIN else (lossless[0][0], 1.0)
+    times = dict((cfg, t) for cfg, t, _ in rows)
+    # Another algorithm than the default's must also earn its flag (the gain rule again).
+    same_switches = replace(best[0], algo=default.algo)
+    if best[0].algo != default.algo and same_switches in times and \
+            times[same_switches] < best[1] * MIN_GAIN:
+        best = (same_switches, times[same_switches], 0.0)
+    default_t = times[default]
+    gain = default_t / best[1] if best[1] > 0 else float("inf")
+    return (best[0], gain) if best[0] != default and gain >= MIN_GAIN else (default, 1.0)
+
+
+def rules_applied(rows: Sequence[Tuple[Config, float, float]], best: Config,
+                  default: Config) -> List[str]:
+    """Why the row predicted fastest, when it is not ``best``, was passed over: the rule that
+    applied to each way it differs (its algorithm, its switches)."""
+    lossless = [r for r in rows if not r[0].dgc]
+    fastest, fastest_t, _ = min(lossless, key=lambda r: r[1])
+    if fastest == best:
+        return []
+    rules = []
+    if (fastest.overlap, fastest.fused) != (best.overlap, best.fused):
+        rules.append(f"the switch rule (--overlap-update and --fused-optimizer are recommended "
+                     f"only where predicted at least {(MIN_SWITCH_GAIN - 1) * 100:.0f}% faster "
+                     f"than the same row without them)")
+    if fastest.algo != best.algo:
+        rules.append(f"the gain rule (a change from the default, its algorithm included, is "
+                     f"recommended only where predicted at least {(MIN_GAIN - 1) * 100:.0f}% "
+                     f"faster than without it)")
+    best_t = dict((cfg, t) for cfg, t, _ in rows)[best]
+    return [f"({fastest.name} is predicted {best_t / fastest_t:.3f}x the recommendation's "
+            f"speed, within the model's error; passed over by {' and '.join(rules)})"]
 
 
 def _gb(x: float) -> str:
@@ -92,7 +126,8 @@ def format_table(p: Profile, c: Cluster, *, what_if: Optional[WhatIf] = None,
                  links: Sequence[Dict[str, Any]] = (), optimizer: str = "") -> str:
     """The advisor's report: inputs, one row per configuration, the recommendation."""
     rows = predict_table(p, c)
-    best, gain = recommend(rows)
+    default = default_config(c)
+    best, gain = recommend(rows, default)
     out: List[str] = []
     title = "what-if" if what_if else "measured"
     out.append(f"aiakrun --advise ({title}): {c.nodes} node(s) x {c.ranks_per_node} rank(s), "
@@ -110,18 +145,22 @@ def format_table(p: Profile, c: Cluster, *, what_if: Optional[WhatIf] = None,
                f"compute {p.call_s * 1e3:.3g} ms/step; update {p.update_s * 1e3:.3g} ms "
                f"({optimizer or 'optimizer'}), fused {fused}")
     out.append("")
-    out.append(f"  {'configuration':<32}{'step (ms)':>11}{'speedup':>9}  aiakrun flags")
+    out.append(f"  {'configuration':<32}{'step (ms)':>11}{'speedup':>9}  flags to add "
+               f"(speedup over the default, {default.name})")
     for cfg, t, speedup in rows:
-        name = cfg.name + (" [changes numerics]" if cfg.dgc else "")
+        name = cfg.name + (" (default)" if cfg == default else "") + \
+            (" [changes numerics]" if cfg.dgc else "")
         mark = "*" if cfg == best else " "
-        out.append(f"{mark} {name:<32}{t * 1e3:>11.2f}{speedup:>8.2f}x  {cfg.flags}")
+        flags = cfg.flags_over(default) or "none: the default"
+        out.append(f"{mark} {name:<32}{t * 1e3:>11.2f}{speedup:>8.2f}x  {flags}")
     out.append("")
-    if gain > 1.0:
-        out.append(f"recommendation: {best.name} ({gain:.2f}x over plain flat): "
-                   f"aiakrun {best.flags} ...")
+    if best != default:
+        out.append(f"recommendation: {best.name}, predicted {gain:.2f}x the default's speed: "
+                   f"add {best.flags_over(default)} to the aiakrun command (before the "
+                   f"training command)")
     else:
-        out.append("recommendation: plain flat; no lossless option is predicted to gain "
-                   f"{(MIN_GAIN - 1) * 100:.0f}% or more")
+        out.append(f"recommendation: {best.name}, the default: no flag needed")
+    out += rules_applied(rows, best, default)
     dgc = [r for r in rows if r[0].dgc][0]
     if dgc[1] < min(r[1] for r in rows if not r[0].dgc):
         out.append(f"DGC is predicted faster ({dgc[2]:.2f}x) but changes the numerics; it is "

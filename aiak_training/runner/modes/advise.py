@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import aiak_training.advisor as advisor_pkg
 from aiak_training.advisor import trace
-from aiak_training.advisor.model import Cluster, Profile, predict_table
+from aiak_training.advisor.model import Cluster, Profile, default_config, predict_table
 from aiak_training.advisor.report import (apply_what_if, cluster_from_measurement, format_table,
                                           profile_from_ranks, recommend)
 
@@ -186,10 +186,11 @@ def run_advise(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
 
 def _write_json(path: str, profile: Profile, cluster: Cluster, took: float) -> None:
     rows = predict_table(profile, cluster)
-    best, _ = recommend(rows)
+    default = default_config(cluster)
+    best, _ = recommend(rows, default)
     doc = {"seconds": took, "nodes": cluster.nodes, "ranks_per_node": cluster.ranks_per_node,
            "net": {"bw": cluster.net.bw, "lat": cluster.net.lat}, "op_s": cluster.op_s,
-           "recommended": best.name,
+           "recommended": best.name, "default": default.name,
            # The model's inputs, so that a changed model can be re-checked on these data.
            "profile": {"grads": profile.grads, "call_s": profile.call_s,
                        "update_s": profile.update_s, "fused_update_s": profile.fused_update_s,

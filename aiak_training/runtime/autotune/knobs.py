@@ -52,6 +52,25 @@ class Setting:
                 f"{self.cycle_time_ms:g} ms, allreduce {self.algorithm}, response cache "
                 f"{'on' if self.cache_enabled else 'off'}")
 
+    def launcher_flags(self) -> str:
+        """The ``aiakrun`` flags that fix this setting, so a later run needs no tuning."""
+        mb, rest = divmod(self.fusion_threshold, MB)
+        flags = [f"--fusion-threshold-mb {mb}" if not rest else "",
+                 f"--cycle-time-ms {self.cycle_time_ms:g}",
+                 f"--allreduce-algo {self.algorithm}"]
+        if not self.cache_enabled:
+            flags.append("--cache-capacity 0")
+        return " ".join(f for f in flags if f)
+
+    def environment(self) -> str:
+        """The same as variables, for jobs not started by aiakrun (mpirun, Ray, Spark)."""
+        assignments = [f"HOROVOD_FUSION_THRESHOLD={self.fusion_threshold}",
+                       f"HOROVOD_CYCLE_TIME={self.cycle_time_ms:g}",
+                       f"AIAK_ALLREDUCE_ALGO={self.algorithm}"]
+        if not self.cache_enabled:
+            assignments.append("HOROVOD_CACHE_CAPACITY=0")
+        return " ".join(assignments)
+
 
 def fixed_knobs(environ: Optional[Mapping[str, str]] = None) -> List[str]:
     """Knobs the job fixed through their variable (aiakrun's flags set the same ones)."""

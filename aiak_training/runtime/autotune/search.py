@@ -64,6 +64,11 @@ class CoordinateSearch:
         elif not self._plan:
             self._advance()
 
+    @property
+    def kept_start(self) -> bool:
+        """Whether the search ended on the job's own setting."""
+        return self.done and self.best == self._start
+
     def score(self, setting: Setting) -> float:
         """Mean of the scores measured for ``setting``."""
         return statistics.fmean(self._scores[setting])

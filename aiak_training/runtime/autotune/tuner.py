@@ -29,7 +29,7 @@ from aiak_training.common.messages import OpType, Request
 from aiak_training.runtime.autotune.csvlog import CsvLog
 from aiak_training.runtime.autotune.knobs import Setting, apply_setting
 from aiak_training.runtime.autotune.options import AutotuneOptions
-from aiak_training.runtime.autotune.search import CoordinateSearch
+from aiak_training.runtime.autotune.search import MARGIN, CoordinateSearch
 from aiak_training.runtime.entries import TensorEntry
 
 # Names seen before one repeats: past this, the job's allreduces have no stable names (each
@@ -157,3 +157,9 @@ class Autotuner:
         say(f"chose {best.describe()} ({score:.4g} steps/s; tuning took "
              f"{self.steps} steps, {self._search.samples} samples after "
              f"{self._opts.warmup_samples} warm-up{where})")
+        if self._search.kept_start:
+            say(f"that is the job's own setting: no setting beats it beyond noise (another "
+                f"must score more than {MARGIN:.0%} higher on the mean of its samples and beat "
+                f"it again when both are measured at the end)")
+        say(f"to run with it without tuning, add to the aiakrun command (without "
+            f"--autotune): {best.launcher_flags()}; or set on every rank: {best.environment()}")
