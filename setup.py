@@ -397,6 +397,7 @@ def main() -> None:
                     "with hierarchical allreduce, DGC, overlapped updates and fused optimizers",
         packages=find_packages(include=["aiak_training", "aiak_training.*"]),
         package_data={"aiak_training": ["compat/horovod_shim/**/*.py", "lib/*.so",
+                                        "advisor/profiles/*.json",
                                         "tensorflow/_status_op.cc"]},
         license="Apache-2.0",
         license_files=["LICENSE"],

@@ -18,6 +18,20 @@ one launch, each sample barrier to barrier):
   tf_grouped_allreduce_tf_function  the same call inside a tf.function (traced once during
                                  warm-up; the graph runs one py_function op per call).
 
+Part 1b, per-call host cost (one plain process, 1 rank, no mpiexec; ``--launch small``; the
+variants timed A B C A B C after warm-up, one call per sample, --small-reps samples each):
+
+  tf_grouped_allreduce_161x1_eager        hvd.grouped_allreduce (default op Average) of 161
+                                          one-element float32 tf.Tensors, called eagerly: at
+                                          one rank nothing travels, so this is the frontend's
+                                          and the engine's per-call cost.  Target <= 1.0 ms.
+  tf_grouped_allreduce_161x1_tf_function  the same inside a tf.function (traced in warm-up).
+  torch_grouped_allreduce_161x1           aiak_training.torch.grouped_allreduce of 161
+                                          one-element float32 torch tensors, for comparison
+                                          (left out when torch is not installed).
+
+  Ratio (info): tf_grouped_161x1_vs_torch = torch median / TF eager median.
+
 Part 2, Keras ``model.fit`` (separate launches by nature: MWMS is not MPI).  The driver runs
 --launches rounds; each round launches, in this order, A: MWMS (two local worker processes,
 TF_CONFIG with two localhost ports), B: ours (``mpiexec -n 2``, DistributedOptimizer from
@@ -87,7 +101,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import mpiexec, read_json, run_jobs  # noqa: E402
@@ -106,11 +120,15 @@ IMAGE_SHAPE = (32, 32, 3)
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--launch", choices=("all", "allreduce", "fit"), default="all",
+    p.add_argument("--launch", choices=("all", "allreduce", "small", "fit"), default="all",
                    help="driver: which parts to launch (default all)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--reps", type=int, default=9, help="part 1: timed reps per variant (>= 5)")
     p.add_argument("--warmup", type=int, default=3, help="part 1: untimed reps per variant")
+    p.add_argument("--small-reps", type=int, default=300,
+                   help="part 1b: timed calls per variant (after --small-warmup untimed ones)")
+    p.add_argument("--small-warmup", type=int, default=30,
+                   help="part 1b: untimed calls per variant")
     p.add_argument("--launches", type=int, default=7,
                    help="part 2: rounds of launches (A B C per round; >= 5)")
     p.add_argument("--models", default=",".join(MODELS),
@@ -125,7 +143,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="part 2: train with Keras 3, or with Keras 2 from tf_keras "
                         "(TF_USE_LEGACY_KERAS=1 in every job; same ratio keys)")
     # Internal: what a launched process does.
-    p.add_argument("--worker", choices=("allreduce", "hvd_fit", "mwms_fit", "single_fit"),
+    p.add_argument("--worker", choices=("allreduce", "small", "hvd_fit", "mwms_fit",
+                                        "single_fit"),
                    help=argparse.SUPPRESS)
     p.add_argument("--model", choices=MODELS, default="mlp", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -392,6 +411,56 @@ def worker_allreduce(args: argparse.Namespace) -> None:
     hvd.shutdown()
 
 
+SMALL_TENSORS = 161
+
+
+def worker_small(args: argparse.Namespace) -> None:
+    """Part 1b: per-call time of a grouped allreduce of many one-element tensors at 1 rank."""
+    import tensorflow as tf
+
+    import aiak_training.tensorflow as hvd
+    from bench_common import interleave, summarize
+
+    _configure_tf()
+    hvd.init()
+    tensors = [tf.constant([float(i)]) for i in range(SMALL_TENSORS)]
+    got = [float(t.numpy()[0]) for t in hvd.grouped_allreduce(tensors, name="small_check")]
+    if got != [float(i) for i in range(SMALL_TENSORS)]:
+        raise SystemExit("tf_bench: small grouped_allreduce gave a wrong result")
+
+    @tf.function
+    def grouped_graph(ts):
+        return hvd.grouped_allreduce(ts)
+
+    def one_call(fn: Callable[[], Any]) -> Callable[[], float]:
+        def sample() -> float:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        return sample
+
+    variants = {"tf_grouped_allreduce_161x1_eager":
+                    one_call(lambda: hvd.grouped_allreduce(tensors)),
+                "tf_grouped_allreduce_161x1_tf_function":
+                    one_call(lambda: grouped_graph(tensors))}
+    try:
+        import torch
+
+        import aiak_training.torch as hvd_torch
+    except ImportError:
+        hvd_torch = None
+    if hvd_torch is not None:
+        hvd_torch.init()
+        torch_tensors = [torch.full((1,), float(i)) for i in range(SMALL_TENSORS)]
+        variants["torch_grouped_allreduce_161x1"] = one_call(
+            lambda: hvd_torch.grouped_allreduce(torch_tensors))
+    times = interleave(variants, args.small_reps, args.small_warmup)
+    params = {"tensors": SMALL_TENSORS, "elements_each": 1, "dtype": "float32",
+              "op": "Average", "ranks": 1, "sample": "one call"}
+    _write(args.out, {"results": [summarize(k, params, v) for k, v in times.items()]})
+    hvd.shutdown()
+
+
 # ---- the driver -------------------------------------------------------------------------------
 def _env() -> Dict[str, str]:
     env = dict(os.environ)
@@ -417,6 +486,7 @@ def _worker_argv(args: argparse.Namespace, worker: str, out: str, model: str = "
                  extra: Sequence[str] = ()) -> List[str]:
     return [sys.executable, SELF, "--worker", worker, "--out", out, "--model", model,
             "--reps", str(args.reps), "--warmup", str(args.warmup),
+            "--small-reps", str(args.small_reps), "--small-warmup", str(args.small_warmup),
             "--global-batch", str(args.global_batch), "--warmup-steps", str(args.warmup_steps),
             "--steps", str(args.steps)] + list(extra)
 
@@ -439,6 +509,18 @@ def launch_allreduce(args: argparse.Namespace, tmp: str) -> Tuple[List[Dict], Di
                   med["raw_mpi_allreduce"] / med["raw_mpi_allreduce_out_of_place"],
               "tf_grouped_vs_raw_mpi_out_of_place":
                   med["raw_mpi_allreduce_out_of_place"] / med["tf_grouped_allreduce_eager"]}
+    return results, ratios
+
+
+def launch_small(args: argparse.Namespace, tmp: str) -> Tuple[List[Dict], Dict[str, float]]:
+    out = os.path.join(tmp, "small.json")
+    _run([_worker_argv(args, "small", out)], args.timeout, "the small-tensor job")
+    results = read_json(out)["results"]
+    med = {r["name"]: r["median_s"] for r in results}
+    ratios = {}
+    if "torch_grouped_allreduce_161x1" in med:
+        ratios["tf_grouped_161x1_vs_torch"] = (med["torch_grouped_allreduce_161x1"] /
+                                               med["tf_grouped_allreduce_161x1_eager"])
     return results, ratios
 
 
@@ -557,6 +639,11 @@ def driver(args: argparse.Namespace) -> None:
             results += r
             ratios.update(q)
             loads.append(os.getloadavg()[0])
+        if args.launch in ("all", "small"):
+            r, q = launch_small(args, tmp)
+            results += r
+            ratios.update(q)
+            loads.append(os.getloadavg()[0])
         if args.launch in ("all", "fit"):
             r, q = launch_fit(args, tmp, loads)
             results += r
@@ -577,7 +664,7 @@ def main() -> None:
     args = parse_args()
     if args.keras == "tf_keras":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"  # every job inherits it (_env copies it)
-    workers = {"allreduce": worker_allreduce, "hvd_fit": worker_hvd_fit,
+    workers = {"allreduce": worker_allreduce, "small": worker_small, "hvd_fit": worker_hvd_fit,
                "mwms_fit": worker_mwms_fit, "single_fit": worker_single_fit}
     if args.worker:
         workers[args.worker](args)

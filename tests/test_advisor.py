@@ -379,3 +379,144 @@ def test_advise_stops_with_a_reason(mode, message):
     if mode == "slow":
         left = subprocess.run(["pgrep", "-f", f"{BAD} slow"], capture_output=True, text=True)
         assert left.stdout.strip() == "", "ranks left running: " + left.stdout
+
+
+# --- --what-if for a target device (issue 41, item 3) ---------------------------------------
+
+from aiak_training.advisor.report import apply_what_if, cluster_sources, format_table  # noqa: E402
+from aiak_training.advisor.whatif import (read_profile, target_profile,  # noqa: E402
+                                          write_profile)
+
+GPU_BASE = "nodes=2,ranks_per_node=8,link_gbit=30"
+
+
+def _profile_file(path, **over):
+    doc = {"format": "aiak-advise-profile", "version": 1, "device": "test GPU",
+           "ready_unit": "s", "grads": [[4_000_000, 0.004], [8_000_000, 0.006],
+                                        [2_000_000, 0.009]],
+           "numels": [1_000_000, 2_000_000, 500_000],
+           "call_s": 0.010, "update_s": 0.002, "fused_update_s": 0.001, "optimizer": "SGD"}
+    doc.update(over)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return str(path)
+
+
+def test_what_if_gpu_fields_parsing(tmp_path):
+    good = _profile_file(tmp_path / "p.json")
+    w = parse_what_if(f"{GPU_BASE},compute_ms=50,update_ms=1.5,fused_update_ms=0,"
+                      f"intra_gbit=1200,profile={good}")
+    assert (w.compute_ms, w.update_ms, w.fused_update_ms, w.intra_gbit) == (50.0, 1.5, 0.0,
+                                                                             1200.0)
+    assert w.intra_bytes_per_s == 1.5e11 and w.profile == good and not w.needs_script
+    assert w.profile_file.device == "test GPU" and len(w.profile_file.grads) == 3
+    assert parse_what_if(GPU_BASE) == WhatIf(2, 8, 30.0) and parse_what_if(GPU_BASE).needs_script
+    frac = _profile_file(tmp_path / "f.json", ready_unit="fraction_of_compute",
+                         grads=[[400, 0.5], [400, 1.0]], numels=[], call_s=None, update_s=None)
+    bad = {
+        "compute_ms=0": "field 'compute_ms': expected a number > 0",
+        "update_ms=-1": "field 'update_ms': expected a number >= 0",
+        "fused_update_ms=nan": "field 'fused_update_ms'",
+        "intra_gbit=x": "field 'intra_gbit': expected a number > 0",
+        "compute_ms=1,compute_ms=2": "field 'compute_ms' is given twice",
+        "profile=": "field 'profile': expected a file path",
+        f"profile={tmp_path / 'none.json'}": "field 'profile': cannot read",
+        "profile=no_such_shipped_profile": "shipped profiles: .*resnet50",
+        f"profile={_profile_file(tmp_path / 'v.json', version=2)}": "field 'profile': .*version 2",
+        f"profile={_profile_file(tmp_path / 'g.json', grads=[[0, 1]])}":
+            r"field 'profile': .*'grads'\[0\]",
+        f"profile={_profile_file(tmp_path / 'n.json', numels=[1])}": "field 'profile': .*'numels'",
+        f"profile={_profile_file(tmp_path / 'u.json', update_s='fast')}":
+            "field 'profile': .*'update_s'",
+        f"profile={frac}": "field 'compute_ms' is missing",
+        f"profile={frac},compute_ms=10": "field 'update_ms' is missing",
+    }
+    (tmp_path / "j.json").write_text("{not json")
+    bad[f"profile={tmp_path / 'j.json'}"] = "field 'profile': .* is not JSON"
+    for extra, message in bad.items():
+        with pytest.raises(WhatIfError, match=message):
+            parse_what_if(f"{GPU_BASE},{extra}")
+    assert parse_what_if(f"{GPU_BASE},profile={frac},compute_ms=10,update_ms=1").compute_ms == 10
+
+
+def test_shipped_resnet50_profile():
+    pf = read_profile("resnet50")
+    assert len(pf.grads) == 161 and sum(pf.numels) == 25_557_032
+    assert [b for b, _ in pf.grads] == [4 * n for n in pf.numels]
+    ready = [r for _, r in pf.grads]
+    assert ready == sorted(ready) and ready[0] >= 1 / 3 - 1e-6 and ready[-1] == 1.0
+    assert pf.ready_unit == "fraction_of_compute" and pf.call_s is None
+
+
+def test_what_if_on_a_fixed_profile_predicts_exact_rows(tmp_path):
+    path = _profile_file(tmp_path / "p.json")
+    w = parse_what_if(f"{GPU_BASE},latency_us=10,intra_gbit=800,compute_ms=50,update_ms=4,"
+                      f"fused_update_ms=1,profile={path}")
+    measured = Cluster(1, 1, Link(5e9, 0.0), Link(5e9, 2e-6), 6e9, op_s=3e-5)
+    cluster = apply_what_if(measured, w, measured_net=False)
+    profile, sources = target_profile(w, None)
+    # The same inputs, written out by hand: ready times x 50 ms / 10 ms.
+    want_c = Cluster(2, 8, Link(3.75e9, 10 * 1e-6), Link(1e11, 2e-6), 1e11, op_s=3e-5)
+    want_p = Profile(grads=[(4_000_000, 0.02), (8_000_000, 0.03), (2_000_000, 0.045)],
+                     call_s=0.05, update_s=0.004, fused_update_s=0.001,
+                     grad_numels=[1_000_000, 2_000_000, 500_000])
+    assert cluster == want_c
+    assert profile.call_s == want_p.call_s and profile.grad_numels == want_p.grad_numels
+    assert [b for b, _ in profile.grads] == [b for b, _ in want_p.grads]
+    assert [r for _, r in profile.grads] == pytest.approx([r for _, r in want_p.grads],
+                                                          rel=1e-12)
+    got = predict_table(profile, cluster)
+    want = predict_table(want_p, want_c)
+    assert [c.name for c, _, _ in got] == [c.name for c, _, _ in want] and len(got) == 13
+    assert [t for _, t, _ in got] == pytest.approx([t for _, t, _ in want], rel=1e-12)
+    # Two-level, 2 nodes: the network phase carries 1/1.875 of the flat ring's bytes.
+    assert hier_staged(8e6, want_c) < flat_allreduce(8e6, want_c) / 1.8
+    # The header says what was given and what measured.
+    text = format_table(profile, cluster, what_if=w, optimizer="SGD",
+                        sources=cluster_sources(w, False) + sources)
+    for line in ("taken from: in-node link and memory copy: 800 Gbit/s given (intra_gbit)",
+                 "taken from: per-collective cost: measured here",
+                 f"taken from: gradients: 3 tensor(s), 14 MB, from profile {path} (test GPU)",
+                 "taken from: compute: 50 ms given (compute_ms); ready times scaled by 5",
+                 "taken from: update: 4 ms given (update_ms)",
+                 "taken from: fused update: 1 ms given (fused_update_ms)",
+                 "(what-if): 2 node(s) x 8 rank(s)"):
+        assert line in text, text
+    # update_ms without fused_update_ms: the other device's fused time is not kept.
+    w2 = parse_what_if(f"{GPU_BASE},update_ms=4,profile={path}")
+    p2, s2 = target_profile(w2, None)
+    assert p2.fused_update_s is None and p2.call_s == 0.010 and p2.grads[0] == (4_000_000, 0.004)
+    assert any("its rows are left out" in s for s in s2)
+    # Without a profile file the measured profile is scaled the same way.
+    w3 = parse_what_if(f"{GPU_BASE},compute_ms=20")
+    p3, _ = target_profile(w3, want_p)
+    assert p3.call_s == 0.02 and [r for _, r in p3.grads] == pytest.approx([0.008, 0.012, 0.018])
+    assert p3.update_s == 0.004 and p3.fused_update_s == 0.001
+
+
+def test_a_written_profile_reads_back_identically(tmp_path):
+    p = Profile(grads=[(4096, 0.0012345678901234), (400, 0.5)], call_s=0.75, update_s=0.125,
+                fused_update_s=None, grad_numels=[1024, 100])
+    path = str(tmp_path / "out.json")
+    write_profile(path, p, "NVIDIA H100 80GB HBM3", optimizer="SGD", source="test")
+    w = parse_what_if(f"{GPU_BASE},profile={path}")
+    back, _ = target_profile(w, None)
+    assert back == p
+    assert (w.profile_file.device, w.profile_file.optimizer) == ("NVIDIA H100 80GB HBM3", "SGD")
+
+
+def test_advise_writes_a_profile_that_a_what_if_reuses(tmp_path):
+    """One run profiles the script and writes the profile; the what-if on it skips the
+    script and predicts the rows the first run's inputs give."""
+    out, js = str(tmp_path / "prof.json"), str(tmp_path / "a.json")
+    proc, _ = _aiakrun(["--advise", "-np", "1", sys.executable, SCRIPT], 180,
+                       AIAK_ADVISE_PROFILE_OUT=out, AIAK_ADVISE_JSON=js,
+                       AIAK_ADVISE_DEVICE="test device")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(js) as f:
+        doc = json.load(f)["profile"]
+    pf = read_profile(out)
+    assert pf.device == "test device" and pf.optimizer == "Adam"
+    assert [list(g) for g in pf.grads] == doc["grads"] and list(pf.numels) == doc["numels"]
+    assert (pf.call_s, pf.update_s, pf.fused_update_s) == (doc["call_s"], doc["update_s"],
+                                                           doc["fused_update_s"])

@@ -271,8 +271,15 @@ def _check_run(proc, tmp_path, nranks, steps):
     first = runs[0]
     ended = next(i for i, r in enumerate(first) if not r["tuning"])
     assert all(not r["tuning"] for r in first[ended:])
-    final = {k: v for k, v in first[ended].items() if k != "tuning"}
-    assert all({k: v for k, v in r.items() if k != "tuning"} == final for r in first[ended:])
+    # The engine's hot path leaves the tuner when tuning ends: the call that ended it (the
+    # first submission of step ``ended``) was the last.
+    calls = [r["tuner_calls"] for r in first]
+    assert calls[ended] == calls[ended - 1] + 1, calls
+    assert calls[ended:] == [calls[ended]] * (steps - ended), calls
+    def setting(r):
+        return {k: v for k, v in r.items() if k not in ("tuning", "tuner_calls")}
+    final = setting(first[ended])
+    assert all(setting(r) == final for r in first[ended:])
     rows = _log_rows(tmp_path)
     best = rows[-1]
     assert best[:6] == [str(int(final["algorithm"] != "flat")), "0", "0",

@@ -19,7 +19,7 @@ from typing import List, Set
 import pytest
 
 from launch import JOBS, REPO
-from test_suite_rules import violations
+from test_suite_rules import docstring_ids, violations
 
 BENCHMARKS = os.path.join(REPO, "benchmarks")
 
@@ -34,16 +34,6 @@ def modules_only_in_tests() -> Set[str]:
     return _modules_in(os.path.join(REPO, "tests")) - _modules_in(BENCHMARKS)
 
 
-def _docstrings(tree: ast.AST) -> Set[int]:
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                found.add(id(body[0].value))
-    return found
-
-
 def _names_tests_dir(text: str) -> bool:
     parts = text.replace("\\", "/").split("/")
     return "tests" in parts
@@ -53,7 +43,7 @@ def reaches_into_tests(source: str, tests_modules: Set[str]) -> List[str]:
     """Where ``source`` imports from ``tests/`` or names a ``tests`` directory in its code:
     'line N: ...' for each place."""
     tree = ast.parse(source)
-    skip = _docstrings(tree)
+    skip = docstring_ids(tree)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -43,8 +43,9 @@ ALLOWED: Dict[str, Set[str]] = {
     # and its switches.
     "compat": {"common"},
     # ``aiakrun --advise``: the probe and the trace run real torch steps (fused optimizers
-    # included), so the advisor sits above the torch frontend.
-    "advisor": {"torch", "fused_optim"},
+    # included), so the advisor sits above the torch frontend.  Its rows' knobs and flags are
+    # the knob table's (common/tuning).
+    "advisor": {"common", "torch", "fused_optim"},
     # aiakrun, the top of the stack: it starts ranks (the Gloo rendezvous store of
     # runtime/transport), installs the Horovod shim (compat), runs --advise (advisor) and the
     # elastic driver (elastic's protocol).  Nothing but Ray and Spark imports it.

@@ -63,6 +63,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple
 
+from aiak_training.common.tuning import ALLREDUCE_ALGORITHM, DGC, FUSED_OPTIMIZER, OVERLAP_UPDATE
+
 
 @dataclass(frozen=True)
 class Constants:
@@ -145,9 +147,10 @@ class Profile:
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration of the table."""
+    """One configuration of the table: a value of each knob the advisor varies (the knob
+    table's rows with ``advisor`` set, common/tuning), whose flags it prints."""
 
-    algo: str = "flat"            # flat, hier_staged, hier_pipelined
+    algo: str = "flat"            # one of the knob table's ALGORITHMS
     overlap: bool = False
     fused: bool = False
     dgc: bool = False
@@ -163,20 +166,20 @@ class Config:
         """The flags to add to a job that runs ``default`` (no flag) to get this row."""
         if self.dgc:
             return self.flags
-        out = [f"--allreduce-algo {self.algo}"] if self.algo != default.algo else []
-        out += [flag for flag, on in (("--overlap-update", self.overlap),
-                                      ("--fused-optimizer", self.fused)) if on]
+        out = [f"{ALLREDUCE_ALGORITHM.flag} {self.algo}"] if self.algo != default.algo else []
+        out += [knob.flag for knob, on in ((OVERLAP_UPDATE, self.overlap),
+                                           (FUSED_OPTIMIZER, self.fused)) if on]
         return " ".join(out)
 
     @property
     def flags(self) -> str:
         if self.dgc:
-            return "compression=hvd.Compression.dgc()"
-        out = [f"--allreduce-algo {self.algo}"]
+            return DGC.script
+        out = [f"{ALLREDUCE_ALGORITHM.flag} {self.algo}"]
         if self.overlap:
-            out.append("--overlap-update")
+            out.append(OVERLAP_UPDATE.flag)
         if self.fused:
-            out.append("--fused-optimizer")
+            out.append(FUSED_OPTIMIZER.flag)
         return " ".join(out)
 
 
@@ -228,6 +231,8 @@ def hier_pipelined(nbytes: float, c: Cluster, k: Constants = CONSTANTS) -> float
     return ti + te + (chunks - 1) * max(ti, te)
 
 
+#: The formula of each algorithm of the knob table (tests/test_knob_table.py checks that
+#: every one of its ALGORITHMS has one, and no other).
 ALGORITHMS = {"flat": flat_allreduce, "hier_staged": hier_staged,
               "hier_pipelined": hier_pipelined}
 
@@ -312,12 +317,13 @@ def predict_step(cfg: Config, p: Profile, c: Cluster, k: Constants = CONSTANTS) 
 
 
 def configurations(c: Cluster, fused_available: bool) -> List[Config]:
-    """The table's rows: each algorithm the cluster has x overlap x fused, then DGC."""
-    algos = ["flat"] + (["hier_staged", "hier_pipelined"] if c.hierarchical else [])
+    """The table's rows: each algorithm the cluster has x overlap x fused, then DGC (the
+    values of the knob table's rows)."""
+    algos = [a for a in ALLREDUCE_ALGORITHM.candidates if c.hierarchical or a == "flat"]
     out = []
     for algo in algos:
-        for fused in ((False, True) if fused_available else (False,)):
-            for overlap in (False, True):
+        for fused in (FUSED_OPTIMIZER.candidates if fused_available else (False,)):
+            for overlap in OVERLAP_UPDATE.candidates:
                 out.append(Config(algo, overlap, fused))
     out.append(Config(dgc=True))
     return out

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from aiak_training.advisor.model import (CONSTANTS, Cluster, Config, Link, Profile,
                                          default_config, predict_table, with_network)
 from aiak_training.advisor.whatif import WhatIf
+from aiak_training.common.tuning import DGC, FUSED_OPTIMIZER, OVERLAP_UPDATE
 
 #: A lossless configuration must beat the job's default configuration by this much to be
 #: recommended (the gain rule): a smaller predicted gain is inside the model's error.
@@ -47,12 +48,30 @@ def cluster_from_measurement(measured: Dict[str, Any]) -> Cluster:
 def apply_what_if(c: Cluster, w: WhatIf, measured_net: bool) -> Cluster:
     """The hypothetical cluster: its layout and link; per-step latency from ``latency_us``,
     else the measured network's (none beyond the measured per-collective cost, which is
-    kept), else :data:`CONSTANTS.default_latency_s` when the job ran on one node."""
+    kept), else :data:`CONSTANTS.default_latency_s` when the job ran on one node.  With
+    ``intra_gbit`` the in-node link (its measured latency kept) and the memory copy rate of
+    the hierarchical stages are that bandwidth instead of the measured ones."""
     if w.latency_us is not None:
         lat = w.latency_us * 1e-6
     else:
         lat = c.net.lat if measured_net else CONSTANTS.default_latency_s
-    return with_network(c, w.nodes, w.ranks_per_node, Link(w.link_bytes_per_s, lat))
+    out = with_network(c, w.nodes, w.ranks_per_node, Link(w.link_bytes_per_s, lat))
+    intra = w.intra_bytes_per_s
+    if intra is not None:
+        out = replace(out, intra=Link(intra, c.intra.lat), copy_bw=intra)
+    return out
+
+
+def cluster_sources(w: WhatIf, measured_net: bool) -> List[str]:
+    """Where each part of a what-if cluster came from (given for the target, or measured
+    here), for the report's header."""
+    lat = ("latency_us" if w.latency_us is not None else
+           "measured here" if measured_net else "the default, no latency_us")
+    return [f"layout and network: given (nodes, ranks_per_node, link_gbit); latency: {lat}",
+            "in-node link and memory copy: " + (f"{w.intra_gbit:g} Gbit/s given (intra_gbit)"
+                                                if w.intra_gbit is not None
+                                                else "measured here"),
+            "per-collective cost: measured here"]
 
 
 def profile_from_ranks(docs: Sequence[Dict[str, Any]]) -> Profile:
@@ -106,9 +125,9 @@ def rules_applied(rows: Sequence[Tuple[Config, float, float]], best: Config,
         return []
     rules = []
     if (fastest.overlap, fastest.fused) != (best.overlap, best.fused):
-        rules.append(f"the switch rule (--overlap-update and --fused-optimizer are recommended "
-                     f"only where predicted at least {(MIN_SWITCH_GAIN - 1) * 100:.0f}% faster "
-                     f"than the same row without them)")
+        rules.append(f"the switch rule ({OVERLAP_UPDATE.flag} and {FUSED_OPTIMIZER.flag} are "
+                     f"recommended only where predicted at least "
+                     f"{(MIN_SWITCH_GAIN - 1) * 100:.0f}% faster than the same row without them)")
     if fastest.algo != best.algo:
         rules.append(f"the gain rule (a change from the default, its algorithm included, is "
                      f"recommended only where predicted at least {(MIN_GAIN - 1) * 100:.0f}% "
@@ -123,8 +142,10 @@ def _gb(x: float) -> str:
 
 
 def format_table(p: Profile, c: Cluster, *, what_if: Optional[WhatIf] = None,
-                 links: Sequence[Dict[str, Any]] = (), optimizer: str = "") -> str:
-    """The advisor's report: inputs, one row per configuration, the recommendation."""
+                 links: Sequence[Dict[str, Any]] = (), optimizer: str = "",
+                 sources: Sequence[str] = ()) -> str:
+    """The advisor's report: inputs, where they came from (``sources``), one row per
+    configuration, the recommendation."""
     rows = predict_table(p, c)
     default = default_config(c)
     best, gain = recommend(rows, default)
@@ -144,6 +165,8 @@ def format_table(p: Profile, c: Cluster, *, what_if: Optional[WhatIf] = None,
     out.append(f"  model: {len(p.grads)} gradient tensor(s), {p.total_bytes / 1e6:.3g} MB; "
                f"compute {p.call_s * 1e3:.3g} ms/step; update {p.update_s * 1e3:.3g} ms "
                f"({optimizer or 'optimizer'}), fused {fused}")
+    for line in sources:
+        out.append(f"  taken from: {line}")
     out.append("")
     out.append(f"  {'configuration':<32}{'step (ms)':>11}{'speedup':>9}  flags to add "
                f"(speedup over the default, {default.name})")
@@ -164,8 +187,8 @@ def format_table(p: Profile, c: Cluster, *, what_if: Optional[WhatIf] = None,
     dgc = [r for r in rows if r[0].dgc][0]
     if dgc[1] < min(r[1] for r in rows if not r[0].dgc):
         out.append(f"DGC is predicted faster ({dgc[2]:.2f}x) but changes the numerics; it is "
-                   "never switched on for you: opt in with "
-                   "compression=hvd.Compression.dgc() after checking accuracy (docs/dgc.md)")
+                   f"never switched on for you: opt in with {DGC.script} after checking "
+                   "accuracy (docs/dgc.md)")
     else:
         out.append("DGC (changes the numerics) is not predicted to beat the lossless options")
     if not c.hierarchical:

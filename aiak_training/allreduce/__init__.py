@@ -31,11 +31,11 @@ from aiak_training.allreduce.flat import flat_allreduce
 from aiak_training.common.config import ALLREDUCE_ALGO_ALIASES, Config
 from aiak_training.common.dtypes import DataType, ReduceOp
 from aiak_training.common.topology import Topology
+from aiak_training.common.tuning import ALGORITHMS, ALLREDUCE_ALGORITHM
 
 Algorithm = Callable[[Topology, int, int, DataType, ReduceOp], None]
 
-#: Names accepted by :func:`create_algorithm`.
-ALGORITHMS = ("flat", "hier_staged", "hier_pipelined")
+# ALGORITHMS, the names :func:`create_algorithm` accepts, is the knob table's (imported above).
 
 log = logging.getLogger("aiak_training")
 
@@ -64,13 +64,14 @@ def resolve_algorithm(config: Config, topology: Topology, is_global: bool) -> Tu
         # The hierarchical schemes use MPI shared-memory windows; Gloo runs its own allreduce.
         return "flat", "the Gloo transport uses Gloo's allreduce"
     requested = config.allreduce_algo
-    source = f"AIAK_ALLREDUCE_ALGO={requested}"
+    algo_var, hier_var = ALLREDUCE_ALGORITHM.env
+    source = f"{algo_var}={requested}"
     hier = config.hierarchical_allreduce
     if requested == "auto" and hier is not None:
         requested = "hierarchical" if hier else "flat"
-        source = f"HOROVOD_HIERARCHICAL_ALLREDUCE={int(hier)}"
+        source = f"{hier_var}={int(hier)}"
     elif requested != "auto" and hier is not None:
-        source += f" (overrides HOROVOD_HIERARCHICAL_ALLREDUCE={int(hier)})"
+        source += f" (overrides {hier_var}={int(hier)})"
     if requested == "flat":
         return "flat", source
     nodes = topology.num_nodes

@@ -5,19 +5,23 @@ from typing import Optional
 
 from aiak_training.common.env import (env_bool, env_bytes, env_choice, env_float, env_int,
                                       env_optional_bool, env_str)
+from aiak_training.common.tuning import (ALGORITHM_ALIASES, ALGORITHM_CHOICES,
+                                         ALLREDUCE_ALGORITHM, CYCLE_TIME, FUSION_THRESHOLD,
+                                         RESPONSE_CACHE)
 
-#: Values of AIAK_ALLREDUCE_ALGO.  ``auto`` lets the topology decide, ``hierarchical`` means
-#: ``hier_pipelined``; the others name one algorithm of :mod:`aiak_training.allreduce`.
-ALLREDUCE_ALGOS = ("auto", "flat", "hierarchical", "hier_staged", "hier_pipelined")
+#: Values of AIAK_ALLREDUCE_ALGO (the knob table's): ``auto`` lets the topology decide,
+#: ``hierarchical`` means ``hier_pipelined``; the others name one algorithm of
+#: :mod:`aiak_training.allreduce`.
+ALLREDUCE_ALGOS = ALGORITHM_CHOICES
 #: Earlier spellings, still accepted.
-ALLREDUCE_ALGO_ALIASES = {"horovod-hier": "hier_staged", "aiak-hier": "hier_pipelined"}
+ALLREDUCE_ALGO_ALIASES = ALGORITHM_ALIASES
 
 GPU_TRANSPORTS = ("nccl", "mpi")
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
 
 
 def _allreduce_algo() -> str:
-    name = env_choice("AIAK_ALLREDUCE_ALGO", "auto",
+    name = env_choice(ALLREDUCE_ALGORITHM.variable, "auto",
                       ALLREDUCE_ALGOS + tuple(ALLREDUCE_ALGO_ALIASES))
     return ALLREDUCE_ALGO_ALIASES.get(name, name)
 
@@ -113,10 +117,10 @@ class Config:
     @classmethod
     def from_env(cls) -> "Config":
         return cls(
-            fusion_threshold=env_int("HOROVOD_FUSION_THRESHOLD", cls.fusion_threshold,
+            fusion_threshold=env_int(FUSION_THRESHOLD.variable, cls.fusion_threshold,
                                      minimum=0),
-            cycle_time_ms=env_float("HOROVOD_CYCLE_TIME", cls.cycle_time_ms, minimum=0.0),
-            cache_capacity=env_int("HOROVOD_CACHE_CAPACITY", cls.cache_capacity, minimum=0),
+            cycle_time_ms=env_float(CYCLE_TIME.variable, cls.cycle_time_ms, minimum=0.0),
+            cache_capacity=env_int(RESPONSE_CACHE.variable, cls.cache_capacity, minimum=0),
             stall_check_disable=env_bool("HOROVOD_STALL_CHECK_DISABLE"),
             stall_check_time_s=env_float("HOROVOD_STALL_CHECK_TIME_SECONDS",
                                          cls.stall_check_time_s, minimum=0.0),
@@ -125,7 +129,7 @@ class Config:
             deadlock_shutdown=_deadlock_shutdown(),
             timeline=env_str("HOROVOD_TIMELINE"),
             timeline_mark_cycles=env_bool("HOROVOD_TIMELINE_MARK_CYCLES"),
-            hierarchical_allreduce=env_optional_bool("HOROVOD_HIERARCHICAL_ALLREDUCE"),
+            hierarchical_allreduce=env_optional_bool(ALLREDUCE_ALGORITHM.env[1]),
             allreduce_algo=_allreduce_algo(),
             dynamic_process_sets=env_bool("HOROVOD_DYNAMIC_PROCESS_SETS"),
             zero_copy_bytes=env_bytes("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),

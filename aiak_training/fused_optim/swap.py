@@ -13,6 +13,7 @@ from typing import Dict, Optional, Type
 import torch
 
 from aiak_training.common.env import env_bool
+from aiak_training.common.tuning import FUSED_OPTIMIZER
 
 from ._backend import SUPPORTED_DEVICE_TYPES, SUPPORTED_DTYPES
 from .adam import FusedAdam, FusedAdamW
@@ -20,7 +21,7 @@ from .sgd import FusedSGD
 
 __all__ = ["maybe_fuse", "fused_class_for", "ENV_VAR"]
 
-ENV_VAR = "AIAK_FUSED_OPTIMIZER"
+ENV_VAR = FUSED_OPTIMIZER.variable
 
 # Exact types only: a user subclass may override step() with its own maths.
 _EQUIVALENT: Dict[type, Type[torch.optim.Optimizer]] = {

@@ -11,8 +11,9 @@ import os
 from typing import Optional
 
 import aiak_training.torch as hvd
+from aiak_training.common.tuning import ALLREDUCE_ALGORITHM
 
-ALGORITHM_ENV = "AIAK_ALLREDUCE_ALGO"
+ALGORITHM_ENV = ALLREDUCE_ALGORITHM.variable
 
 
 def start_runtime(allreduce_algorithm: Optional[str] = None) -> None:
@@ -26,7 +27,7 @@ def start_runtime(allreduce_algorithm: Optional[str] = None) -> None:
                     f"allreduce_algorithm={allreduce_algorithm!r}: hvd.init() already ran with "
                     f"{ALGORITHM_ENV}={os.environ.get(ALGORITHM_ENV, 'auto')}; create the "
                     "strategy before calling hvd.init(), or set the variable (aiakrun "
-                    "--allreduce-algo) instead")
+                    f"{ALLREDUCE_ALGORITHM.flag}) instead")
         else:
             os.environ[ALGORITHM_ENV] = allreduce_algorithm
     if not hvd.is_initialized():

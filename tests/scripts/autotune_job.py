@@ -2,8 +2,9 @@
 
 Each step allreduces the same named tensors (a step, as autotune finds it) with values that
 sum exactly, checks every result, and records the setting in force after the step.  Writes
-``<out>/rank<N>.json``: the settings per step, whether tuning was still on, and the step
-count.  Usage: autotune_job.py OUT_DIR STEPS
+``<out>/rank<N>.json``: the settings per step, whether tuning was still on (the engine still
+holds a tuner), how many times the engine had called the tuner by then, and the step count.
+Usage: autotune_job.py OUT_DIR STEPS
 """
 import json
 import os
@@ -13,7 +14,20 @@ import torch
 
 import aiak_training.torch as hvd
 from aiak_training.runtime import autotune, current
+from aiak_training.runtime.autotune.tuner import Autotuner
 
+# Count the engine's calls into the tuner (its hot-path hook): none may follow the end of tuning.
+tuner_calls = 0
+_on_allreduce = Autotuner.on_allreduce
+
+
+def _counted(self, name):
+    global tuner_calls
+    tuner_calls += 1
+    _on_allreduce(self, name)
+
+
+Autotuner.on_allreduce = _counted
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -27,7 +41,8 @@ for step in range(steps):
     handles = [hvd.allreduce_async(t, name=f"grad.{i}", op=hvd.Sum)
                for i, t in enumerate(tensors)]
     # The setting this step's tensors run under (a switch happens as the first is submitted).
-    records.append(dict(autotune.setting_in_force(), tuning=autotune.tuning()))
+    records.append(dict(autotune.setting_in_force(), tuning=autotune.tuning(),
+                        tuner_calls=tuner_calls))
     for i, (n, handle) in enumerate(zip(sizes, handles)):
         got = hvd.synchronize(handle)
         expected = float(ranks_sum * (i + 1) * (step % 7 + 1))

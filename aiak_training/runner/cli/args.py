@@ -5,6 +5,8 @@ import argparse
 from typing import List, Optional, Sequence, Tuple
 
 from aiak_training.common.config import ALLREDUCE_ALGO_ALIASES, ALLREDUCE_ALGOS, LOG_LEVELS
+from aiak_training.common.tuning import (ALLREDUCE_ALGORITHM, CYCLE_TIME, FUSED_OPTIMIZER,
+                                         FUSION_THRESHOLD, OVERLAP_UPDATE, RESPONSE_CACHE)
 from aiak_training.runner.cli.flag_errors import FlagParser
 
 # horovodrun's elastic flags (runner/modes/elastic/launch.py validates and runs them); giving
@@ -122,18 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="SSH identity (private key) file")
 
     tun = p.add_argument_group("tunables (mapped to Horovod's environment variables)")
-    tun.add_argument("--fusion-threshold-mb", dest="fusion_threshold_mb", metavar="MB",
+    tun.add_argument(FUSION_THRESHOLD.flag, dest="fusion_threshold_mb", metavar="MB",
                      type=_non_negative_int,
                      help="tensor fusion buffer size in MiB; 0 disables fusion "
-                          "(HOROVOD_FUSION_THRESHOLD, bytes; default 128 MiB)")
-    tun.add_argument("--cycle-time-ms", dest="cycle_time_ms", metavar="MS",
+                          f"({FUSION_THRESHOLD.variable}, bytes; default 128 MiB)")
+    tun.add_argument(CYCLE_TIME.flag, dest="cycle_time_ms", metavar="MS",
                      type=_non_negative_float,
-                     help="background cycle time in ms (HOROVOD_CYCLE_TIME; default 1)")
-    tun.add_argument("--cache-capacity", dest="cache_capacity", type=_non_negative_int, metavar="N",
-                     help="response cache entries; 0 disables (HOROVOD_CACHE_CAPACITY; "
+                     help=f"background cycle time in ms ({CYCLE_TIME.variable}; default 1)")
+    tun.add_argument(RESPONSE_CACHE.flag, dest="cache_capacity", type=_non_negative_int,
+                     metavar="N",
+                     help=f"response cache entries; 0 disables ({RESPONSE_CACHE.variable}; "
                           "default 1024)")
     _on_off(tun, "hierarchical-allreduce", "hierarchical_allreduce",
-            "intra-node then inter-node allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE)")
+            f"intra-node then inter-node allreduce ({ALLREDUCE_ALGORITHM.env[1]})")
     _on_off(tun, "hierarchical-allgather", "hierarchical_allgather",
             "hierarchical allgather (HOROVOD_HIERARCHICAL_ALLGATHER; accepted, no effect: "
             "allgather always uses MPI's own algorithm)")
@@ -213,13 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     ours.add_argument("-x", dest="env_vars", action="append", default=[], metavar="VAR[=VAL]",
                       help="set VAR to VAL on every rank, or pass this shell's VAR (repeatable; "
                            "the whole environment is passed anyway, as horovodrun does)")
-    ours.add_argument("--overlap-update", dest="overlap_update", action="store_true",
-                      help="overlap optimizer updates with communication (AIAK_OVERLAP_UPDATE=1)")
-    ours.add_argument("--allreduce-algo", dest="allreduce_algo",
+    ours.add_argument(OVERLAP_UPDATE.flag, dest="overlap_update", action="store_true",
+                      help="overlap optimizer updates with communication "
+                           f"({OVERLAP_UPDATE.variable}=1)")
+    ours.add_argument(ALLREDUCE_ALGORITHM.flag, dest="allreduce_algo",
                       choices=ALLREDUCE_ALGOS + tuple(ALLREDUCE_ALGO_ALIASES),
-                      help="allreduce algorithm (AIAK_ALLREDUCE_ALGO; default auto)")
-    ours.add_argument("--fused-optimizer", dest="fused_optimizer", action="store_true",
-                      help="use the fused optimizer kernels (AIAK_FUSED_OPTIMIZER=1)")
+                      help=f"allreduce algorithm ({ALLREDUCE_ALGORITHM.variable}; default auto)")
+    ours.add_argument(FUSED_OPTIMIZER.flag, dest="fused_optimizer", action="store_true",
+                      help=f"use the fused optimizer kernels ({FUSED_OPTIMIZER.variable}=1)")
     ours.add_argument("--virtual-hosts", dest="virtual_hosts", action="store_true",
                       help="run every rank on this machine, each with the host identity of its "
                            "-H/--hostfile slot (HOROVOD_HOSTNAME); also AIAK_VIRTUAL_HOSTS=1")
@@ -232,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "script, then print each configuration's predicted step time")
     adv.add_argument("--what-if", dest="what_if", type=_what_if, metavar="FIELDS",
                      help="with --advise: predict for another cluster, e.g. "
-                          "nodes=2,ranks_per_node=8,link_gbit=30[,latency_us=50]")
+                          "nodes=2,ranks_per_node=8,link_gbit=30[,latency_us=50]; for a GPU "
+                          "cluster also compute_ms=,update_ms=[,fused_update_ms=],intra_gbit= "
+                          "or profile=FILE (see docs/choosing-a-configuration.md)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program to run, with arguments")
     return p
 

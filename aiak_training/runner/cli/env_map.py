@@ -6,6 +6,8 @@ import os
 import re
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from aiak_training.common.tuning import (ALLREDUCE_ALGORITHM, CYCLE_TIME, FUSED_OPTIMIZER,
+                                         FUSION_THRESHOLD, MB, OVERLAP_UPDATE, RESPONSE_CACHE)
 from aiak_training.runner.cli.args import network_interfaces
 
 DEFAULT_START_TIMEOUT = 30
@@ -27,17 +29,18 @@ def flag_env(args: argparse.Namespace, environ: Mapping[str, str]) -> Dict[str, 
     """Environment variables implied by the tunable flags, in a stable order.
 
     Only flags that were given produce a variable, so a value already exported in the user's
-    shell (e.g. HOROVOD_CYCLE_TIME) still reaches the ranks unchanged.
+    shell (e.g. HOROVOD_CYCLE_TIME) still reaches the ranks unchanged.  The knobs' flags set
+    the variables of the knob table (common/tuning).
     """
     env: Dict[str, str] = {}
     if args.fusion_threshold_mb is not None:
-        env["HOROVOD_FUSION_THRESHOLD"] = str(args.fusion_threshold_mb * 1024 * 1024)
+        env[FUSION_THRESHOLD.variable] = str(args.fusion_threshold_mb * MB)
     if args.cycle_time_ms is not None:
-        env["HOROVOD_CYCLE_TIME"] = str(args.cycle_time_ms)
+        env[CYCLE_TIME.variable] = str(args.cycle_time_ms)
     if args.cache_capacity is not None:
-        env["HOROVOD_CACHE_CAPACITY"] = str(args.cache_capacity)
+        env[RESPONSE_CACHE.variable] = str(args.cache_capacity)
     if args.hierarchical_allreduce is not None:
-        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = _bool(args.hierarchical_allreduce)
+        env[ALLREDUCE_ALGORITHM.env[1]] = _bool(args.hierarchical_allreduce)
     if args.hierarchical_allgather is not None:
         env["HOROVOD_HIERARCHICAL_ALLGATHER"] = _bool(args.hierarchical_allgather)
     if args.mpi_threads_disable is not None:
@@ -68,11 +71,11 @@ def flag_env(args: argparse.Namespace, environ: Mapping[str, str]) -> Dict[str, 
                                        or DEFAULT_START_TIMEOUT)
     env.update(_autotune_env(args))
     if args.overlap_update:
-        env["AIAK_OVERLAP_UPDATE"] = "1"
+        env[OVERLAP_UPDATE.variable] = "1"
     if args.allreduce_algo:
-        env["AIAK_ALLREDUCE_ALGO"] = args.allreduce_algo
+        env[ALLREDUCE_ALGORITHM.variable] = args.allreduce_algo
     if args.fused_optimizer:
-        env["AIAK_FUSED_OPTIMIZER"] = "1"
+        env[FUSED_OPTIMIZER.variable] = "1"
     # Ranks' output goes through pipes; unbuffered output keeps lines from different ranks in
     # order of writing and means nothing is lost when a rank is killed.
     env["PYTHONUNBUFFERED"] = "1"

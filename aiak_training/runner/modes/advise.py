@@ -5,7 +5,12 @@ transport, ``--virtual-hosts``...), then a table printed by aiakrun:
 
 1. the link measurement (:mod:`aiak_training.advisor.link_measure`) in place of the script;
 2. the script itself, profiled by :mod:`aiak_training.advisor.trace` (through a
-   ``sitecustomize`` on ``PYTHONPATH``), which stops it after a few steps.
+   ``sitecustomize`` on ``PYTHONPATH``), which stops it after a few steps.  Not with
+   ``--what-if ...,profile=PATH``: the profile file stands for the script, which is not run.
+
+``AIAK_ADVISE_PROFILE_OUT=path`` writes the measured profile (the slowest rank's) as a
+profile file (:mod:`aiak_training.advisor.whatif`), to be reused with ``profile=path``;
+``AIAK_ADVISE_DEVICE`` names the device in it.
 
 Each run has ``AIAK_ADVISE_BUDGET_S`` seconds (default 120); past that its processes are
 stopped and aiakrun says why.
@@ -26,12 +31,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import aiak_training.advisor as advisor_pkg
 from aiak_training.advisor import trace
 from aiak_training.advisor.model import Cluster, Profile, default_config, predict_table
-from aiak_training.advisor.report import (apply_what_if, cluster_from_measurement, format_table,
-                                          profile_from_ranks, recommend)
+from aiak_training.advisor.report import (apply_what_if, cluster_from_measurement,
+                                          cluster_sources, format_table, profile_from_ranks,
+                                          recommend)
+from aiak_training.advisor.whatif import target_profile, write_profile
 
 BUDGET_ENV = "AIAK_ADVISE_BUDGET_S"
 #: When set, the predictions are also written there as JSON (for benchmarks and tools).
 JSON_ENV = "AIAK_ADVISE_JSON"
+#: When set, the measured profile is written there as a profile file (``profile=`` reads it).
+PROFILE_OUT_ENV = "AIAK_ADVISE_PROFILE_OUT"
+#: The device named in that file (default: this machine's processor).
+DEVICE_ENV = "AIAK_ADVISE_DEVICE"
 DEFAULT_BUDGET_S = 120.0
 _GRACE_S = 10.0
 
@@ -160,28 +171,77 @@ def run_advise(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = job_flags(argv, args.command)
     start = time.monotonic()
+    what_if = args.what_if
+    run_script = what_if is None or what_if.needs_script
+    docs: List[Dict[str, Any]] = []
     try:
         budget = _budget()
         with tempfile.TemporaryDirectory(prefix="aiakadvise.") as work:
             print("aiakrun --advise: measuring the links...", file=sys.stderr, flush=True)
             measured = _measure_links(flags, work, budget)
-            print("aiakrun --advise: profiling the script...", file=sys.stderr, flush=True)
-            docs = _profile_script(flags, args.command, work, budget)
+            if run_script:
+                print("aiakrun --advise: profiling the script...", file=sys.stderr, flush=True)
+                docs = _profile_script(flags, args.command, work, budget)
+            else:
+                print(f"aiakrun --advise: profile {what_if.profile} given: the script is not "
+                      "run", file=sys.stderr, flush=True)
     except AdviseError as exc:
         print(f"aiakrun: error: --advise: {exc}", file=sys.stderr)
         return 1
     cluster = cluster_from_measurement(measured)
-    if args.what_if is not None:
-        cluster = apply_what_if(cluster, args.what_if, measured_net=bool(measured.get("links")))
-    profile = profile_from_ranks(docs)
-    print(format_table(profile, cluster, what_if=args.what_if,
-                       links=() if args.what_if else measured.get("links") or (),
-                       optimizer=docs[0].get("optimizer", "")))
+    measured_profile = profile_from_ranks(docs) if docs else None
+    optimizer = docs[0].get("optimizer", "") if docs else ""
+    if measured_profile is not None and os.environ.get(PROFILE_OUT_ENV):
+        device = _device_name(docs)
+        write_profile(os.environ[PROFILE_OUT_ENV], measured_profile, device, optimizer,
+                      source=f"aiakrun --advise, {len(docs)} rank(s), slowest rank's median "
+                             f"of the timed steps")
+        print(f"aiakrun --advise: profile written to {os.environ[PROFILE_OUT_ENV]} "
+              f"(device: {device})", file=sys.stderr)
+    elif os.environ.get(PROFILE_OUT_ENV):
+        print(f"aiakrun --advise: {PROFILE_OUT_ENV} ignored: the script was not profiled",
+              file=sys.stderr)
+    sources: List[str] = []
+    if what_if is not None:
+        measured_net = bool(measured.get("links"))
+        cluster = apply_what_if(cluster, what_if, measured_net=measured_net)
+        profile, sources = target_profile(what_if, measured_profile)
+        sources = cluster_sources(what_if, measured_net) + sources
+        if what_if.profile_file is not None:
+            optimizer = what_if.profile_file.optimizer
+    else:
+        assert measured_profile is not None
+        profile = measured_profile
+    print(format_table(profile, cluster, what_if=what_if,
+                       links=() if what_if else measured.get("links") or (),
+                       optimizer=optimizer, sources=sources))
     took = time.monotonic() - start
     print(f"(measured in {took:.1f} s)")
     if os.environ.get(JSON_ENV):
         _write_json(os.environ[JSON_ENV], profile, cluster, took)
     return 0
+
+
+def _device_name(docs: Sequence[Dict[str, Any]]) -> str:
+    """The device a profile was measured on: ``AIAK_ADVISE_DEVICE``, else what the ranks
+    recorded, else this machine's processor."""
+    if os.environ.get(DEVICE_ENV):
+        return os.environ[DEVICE_ENV]
+    for doc in docs:
+        if doc.get("device"):
+            return str(doc["device"])
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import platform
+    return f"CPU: {model or platform.processor() or platform.machine()} " \
+           f"({os.cpu_count()} cores), host {platform.node()}"
 
 
 def _write_json(path: str, profile: Profile, cluster: Cluster, took: float) -> None:

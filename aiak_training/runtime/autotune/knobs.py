@@ -1,7 +1,8 @@
 """What autotune changes, and how a setting is read from and applied to a running engine.
 
-Knobs: the fusion threshold, the cycle time, the response cache on/off and the global set's
-allreduce algorithm.
+Knobs: the rows of the knob table (common/tuning) that autotune varies: the fusion threshold,
+the cycle time, the response cache on/off and the global set's allreduce algorithm.  Their
+variables, flags and candidate values come from the table.
 
 The response cache cannot simply be flipped by the training thread: the engine thread reads
 it while it classifies requests and feeds it as responses complete.  So the switch is handed
@@ -20,23 +21,17 @@ from aiak_training.allreduce import ALGORITHMS, close_algorithm, create_algorith
     resolve_algorithm
 from aiak_training.common.config import Config
 from aiak_training.common.topology import Topology
+from aiak_training.common.tuning import (ALLREDUCE_ALGORITHM, CYCLE_TIME, FUSION_THRESHOLD,
+                                         KNOBS, MB, RESPONSE_CACHE)
 from aiak_training.runtime.autotune.options import AutotuneOptions
 
-MB = 1024 * 1024
-# Candidate values.  Fusion reaches the 128 MB default (Horovod's search stops at 64 MB);
-# the cycle times cover Horovod's range where it matters (1 to 25 ms: slower cycles only
-# add latency to every step).
-FUSION_MB = (1, 4, 16, 32, 64, 128)
-CYCLE_MS = (1.0, 2.5, 5.0, 10.0, 25.0)
+# Candidate values (the table's).
+FUSION_MB = FUSION_THRESHOLD.candidates
+CYCLE_MS = CYCLE_TIME.candidates
 
-# The variable (or flag, which sets it) that fixes each knob: a knob fixed by the user is
-# left out of the search.
-FIXING_VARS = {
-    "fusion_threshold": ("HOROVOD_FUSION_THRESHOLD",),
-    "cycle_time_ms": ("HOROVOD_CYCLE_TIME",),
-    "algorithm": ("AIAK_ALLREDUCE_ALGO", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
-    "cache_enabled": ("HOROVOD_CACHE_CAPACITY",),
-}
+# The variables (a flag sets the first) that fix each knob autotune varies: a knob fixed by
+# the user is left out of the search.
+FIXING_VARS = {k.name: k.env for k in KNOBS if k.autotune}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,20 +50,20 @@ class Setting:
     def launcher_flags(self) -> str:
         """The ``aiakrun`` flags that fix this setting, so a later run needs no tuning."""
         mb, rest = divmod(self.fusion_threshold, MB)
-        flags = [f"--fusion-threshold-mb {mb}" if not rest else "",
-                 f"--cycle-time-ms {self.cycle_time_ms:g}",
-                 f"--allreduce-algo {self.algorithm}"]
+        flags = [f"{FUSION_THRESHOLD.flag} {mb}" if not rest else "",
+                 f"{CYCLE_TIME.flag} {self.cycle_time_ms:g}",
+                 f"{ALLREDUCE_ALGORITHM.flag} {self.algorithm}"]
         if not self.cache_enabled:
-            flags.append("--cache-capacity 0")
+            flags.append(f"{RESPONSE_CACHE.flag} 0")
         return " ".join(f for f in flags if f)
 
     def environment(self) -> str:
         """The same as variables, for jobs not started by aiakrun (mpirun, Ray, Spark)."""
-        assignments = [f"HOROVOD_FUSION_THRESHOLD={self.fusion_threshold}",
-                       f"HOROVOD_CYCLE_TIME={self.cycle_time_ms:g}",
-                       f"AIAK_ALLREDUCE_ALGO={self.algorithm}"]
+        assignments = [f"{FUSION_THRESHOLD.variable}={self.fusion_threshold}",
+                       f"{CYCLE_TIME.variable}={self.cycle_time_ms:g}",
+                       f"{ALLREDUCE_ALGORITHM.variable}={self.algorithm}"]
         if not self.cache_enabled:
-            assignments.append("HOROVOD_CACHE_CAPACITY=0")
+            assignments.append(f"{RESPONSE_CACHE.variable}=0")
         return " ".join(assignments)
 
 
@@ -145,7 +140,7 @@ def apply_setting(engine, setting: Setting) -> None:
     if current_setting(engine).cache_enabled != setting.cache_enabled:
         if setting.cache_enabled and cfg.cache_capacity <= 0:
             raise ValueError("the response cache cannot be switched on: "
-                             "HOROVOD_CACHE_CAPACITY is 0")
+                             f"{RESPONSE_CACHE.variable} is 0")
         _switch_cache(engine, setting.cache_enabled)
 
 
@@ -154,17 +149,18 @@ def search_axes(start: Setting, fixed: Sequence[str],
     """(knob, candidate values) for each knob to tune, the starting value first so that the
     job's own setting is always measured."""
     axes: List[Tuple[str, Tuple]] = []
-    if "fusion_threshold" not in fixed:
+    if FUSION_THRESHOLD.name not in fixed:
         values = (start.fusion_threshold,) + tuple(mb * MB for mb in FUSION_MB)
-        axes.append(("fusion_threshold", tuple(dict.fromkeys(values))))
-    if "cycle_time_ms" not in fixed:
+        axes.append((FUSION_THRESHOLD.name, tuple(dict.fromkeys(values))))
+    if CYCLE_TIME.name not in fixed:
         values = (start.cycle_time_ms,) + CYCLE_MS
-        axes.append(("cycle_time_ms", tuple(dict.fromkeys(values))))
-    if "cache_enabled" not in fixed and start.cache_enabled:
+        axes.append((CYCLE_TIME.name, tuple(dict.fromkeys(values))))
+    if RESPONSE_CACHE.name not in fixed and start.cache_enabled:
         # Off is worth a sample: with few tensors per step, one negotiation round each may
         # cost less than the bit vectors and bookkeeping of the cache.
-        axes.append(("cache_enabled", (True, False)))
+        axes.append((RESPONSE_CACHE.name, RESPONSE_CACHE.candidates))
     if len(algorithms) > 1:
-        ordered = [start.algorithm] + [a for a in ALGORITHMS if a in algorithms]
-        axes.append(("algorithm", tuple(dict.fromkeys(ordered))))
+        ordered = [start.algorithm] + [a for a in ALLREDUCE_ALGORITHM.candidates
+                                       if a in algorithms]
+        axes.append((ALLREDUCE_ALGORITHM.name, tuple(dict.fromkeys(ordered))))
     return [axis for axis in axes if len(axis[1]) > 1]

@@ -23,13 +23,13 @@ from typing import List, Optional, Tuple
 
 from aiak_training.allreduce import resolve_algorithm
 from aiak_training.common.env import env_bool
+from aiak_training.common.tuning import ALLREDUCE_ALGORITHM, FUSED_OPTIMIZER, OVERLAP_UPDATE
 
 log = logging.getLogger("aiak_training")
 _UNDER_AIAKRUN_ENV = "AIAK_FAILURE_DIR"  # set by aiakrun for every rank (runner/report/failure.py)
 
 # Environment switches that turn an acceleration on, with how the line names them.
-_SWITCHES = (("AIAK_OVERLAP_UPDATE", "overlap update"),
-             ("AIAK_FUSED_OPTIMIZER", "fused optimizer"))
+_SWITCHES = tuple((knob.variable, knob.title) for knob in (OVERLAP_UPDATE, FUSED_OPTIMIZER))
 
 
 def _mpi_library() -> str:
@@ -132,7 +132,7 @@ def describe(engine) -> str:
 
 def _hier_source(why: str) -> str:
     """What switched a hierarchical allreduce on, from :func:`resolve_algorithm`'s reason."""
-    if why.startswith("AIAK_ALLREDUCE_ALGO=auto"):
+    if why.startswith(f"{ALLREDUCE_ALGORITHM.variable}=auto"):
         return "chosen by the topology: several nodes with several ranks"
     return why
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from aiak_training.common import horovod_strings as hs
+from aiak_training.common.tuning import FUSED_OPTIMIZER
 from aiak_training.runtime.diagnostics import startup_line as _startup_line
 from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.torch.compression import Compression
@@ -114,7 +115,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     gradient_predivide_factor, groups, sparse_as_dense, process_set,
                     overlap_update)
 
-    if os.environ.get("AIAK_FUSED_OPTIMIZER", "") not in ("", "0"):
+    if os.environ.get(FUSED_OPTIMIZER.variable, "") not in ("", "0"):
         from aiak_training.fused_optim import maybe_fuse
         optimizer = maybe_fuse(optimizer)
 

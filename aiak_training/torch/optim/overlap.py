@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from aiak_training.common.env import env_bool, env_bytes
+from aiak_training.common.tuning import OVERLAP_UPDATE
 from aiak_training.torch.optim.wrapper import restricted_groups
 
 
@@ -53,7 +54,7 @@ log = logging.getLogger("aiak_training")
 
 #: Environment variable that turns overlap on when ``overlap_update`` is not given
 #: (``aiakrun --overlap-update`` sets it).
-ENV_VAR = "AIAK_OVERLAP_UPDATE"
+ENV_VAR = OVERLAP_UPDATE.variable
 #: Smallest amount of completed gradient (bytes) updated on its own while other reductions
 #: are still pending.
 MIN_BUCKET_ENV_VAR = "AIAK_OVERLAP_MIN_BUCKET_BYTES"
