@@ -37,8 +37,6 @@ from aiak_training.tensorflow.errors import (HorovodPreconditionError, framework
 SUPPORTED_DTYPES = frozenset({tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64,
                               tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.bool})
 
-_BFLOAT16 = np.dtype(tf.bfloat16.as_numpy_dtype)
-
 # The engine function of an op: (input arrays, the op's name in its graph or None when
 # eager) -> output arrays.
 Compute = Callable[[List[np.ndarray], Optional[str]], Sequence[np.ndarray]]
@@ -81,7 +79,7 @@ def to_numpy(tensor: tf.Tensor) -> np.ndarray:
 def to_tensor(array: np.ndarray) -> tf.Tensor:
     """A tensor that takes over ``array``'s memory (it stays alive as long as the tensor).
     DLPack has no bfloat16, which travels as uint16 and is reinterpreted."""
-    if array.dtype == _BFLOAT16:  # (dtype.name is a slow Python property)
+    if array.dtype.name == "bfloat16":
         words = tf.experimental.dlpack.from_dlpack(array.view(np.uint16).__dlpack__())
         return tf.bitcast(words, tf.bfloat16)
     return tf.experimental.dlpack.from_dlpack(array.__dlpack__())

@@ -19,8 +19,6 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import record as _record
-from tensorflow.python.framework.ops import EagerTensor
 
 from aiak_training.common.dtypes import (Adasum, Average, Max, Min, Product, Sum,  # noqa: F401
                                          handle_average_backwards_compatibility)
@@ -63,23 +61,10 @@ def check_num_rank_power_of_2(num_rank: int) -> bool:
 def _inputs(values: Sequence[TensorLike], name: Optional[str]) -> List[tf.Tensor]:
     """The values as tensors, every one of a type the engine moves; the engine must run."""
     current.engine()  # "not initialized" before anything else
-    if tf.executing_eagerly():
-        # An eager tensor converts to itself: skip the conversion machinery (microseconds a
-        # tensor, which a grouped call of many small tensors notices).
-        tensors = [v if isinstance(v, EagerTensor) else tf.convert_to_tensor(v)
-                   for v in values]
-    else:
-        tensors = [tf.convert_to_tensor(v) for v in values]
-    if not {t.dtype for t in tensors} <= _bridge.SUPPORTED_DTYPES:
-        for t in tensors:  # the first unsupported one names itself
-            _bridge.check_dtype(t.dtype, _bridge.describe(t, name))
+    tensors = [tf.convert_to_tensor(v) for v in values]
+    for t in tensors:
+        _bridge.check_dtype(t.dtype, _bridge.describe(t, name))
     return tensors
-
-
-def _distinct_dtypes(tensors: Sequence[tf.Tensor]) -> List[tf.DType]:
-    """The tensors' types, each once, in the order they first occur (checks made per type
-    fail on the same tensor as checks made per tensor)."""
-    return list(dict.fromkeys(t.dtype for t in tensors))
 
 
 def _names(prefix: str, name: Optional[str], graph_name: Optional[str],
@@ -147,11 +132,6 @@ def _differentiable(forward: Callable[..., List[tf.Tensor]], inputs: List[tf.Ten
     input is floating point (only those get gradients); a missing upstream gradient is 0."""
     if not any(t.dtype.is_floating for t in inputs):
         return forward(*inputs)
-    if tf.executing_eagerly() and not _record.could_possibly_record():
-        # No gradient tape or forward accumulator is active, so nothing could ever ask for
-        # this gradient; tf.custom_gradient would still pass every result through an eager
-        # identity op (tens of microseconds a tensor).
-        return forward(*inputs)
 
     @tf.custom_gradient
     def op(*xs):
@@ -184,9 +164,8 @@ def _allreduce_group(tensors: Sequence[TensorLike], grouped: bool, name: Optiona
     inputs = _inputs(tensors, name)
     if not inputs:
         return []
-    for dtype in _distinct_dtypes(inputs):
-        array_ops.check_reduce_op(op, array_ops.check_data_type(dtype.as_numpy_dtype),
-                                  adasum=True)
+    for t in inputs:
+        array_ops.check_reduce_op(op, _data_type(t), adasum=True)
     _check_member(process_set)
     if op == Adasum:
         array_ops.check_adasum_set(process_set)

@@ -14,7 +14,7 @@ from aiak_training.common.horovod_strings import (IS_ADASUM_UNSUPPORTED, IS_OPS_
                                                   IS_SCALING_UNSUPPORTED)
 from aiak_training.runtime.sets.process_sets import ProcessSet, global_process_set
 from aiak_training.tensorflow import mpi_ops
-from aiak_training.tensorflow.compression import Compression, Compressor, NoneCompressor
+from aiak_training.tensorflow.compression import Compression, Compressor
 from aiak_training.tensorflow.mpi_ops import (Adasum, Average, Sum,
                                               handle_average_backwards_compatibility)
 
@@ -115,18 +115,6 @@ def grouped_allreduce(tensors: Sequence[Union[Dense, tf.IndexedSlices]],
             results[i] = r
     if dense:
         with tf.device(device_dense):
-            if compression is NoneCompressor:
-                # Nothing to encode: the tensors go as they are (mpi_ops converts them, still
-                # under device_dense), without two calls per tensor.
-                reduced = mpi_ops._grouped_allreduce(
-                    [tensors[i] for i in dense], name=name, op=op,
-                    prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                    ignore_name_scope=ignore_name_scope, process_set=process_set)
-                if len(dense) == len(tensors):
-                    return reduced
-                for i, r in zip(dense, reduced):
-                    results[i] = r
-                return results
             encoded = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
             reduced = mpi_ops._grouped_allreduce(
                 [wire for wire, _ in encoded], name=name, op=op,

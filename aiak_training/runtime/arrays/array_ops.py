@@ -41,21 +41,9 @@ _BY_NAME: Dict[str, DataType] = {
 _REDUCE_OPS = {int(op): op for op in ReduceOp}
 
 
-# The same, by numpy dtype object, filled as types are met (dtype.name is a slow property).
-_BY_DTYPE: Dict[np.dtype, DataType] = {}
-
-
 def data_type(dtype: Any) -> Optional[DataType]:
     """The engine's element type for a numpy dtype (or its name); None if unsupported."""
-    if isinstance(dtype, str):
-        return _BY_NAME.get(dtype)
-    found = _BY_DTYPE.get(dtype) if isinstance(dtype, np.dtype) else None
-    if found is None:
-        dtype = np.dtype(dtype)
-        found = _BY_NAME.get(dtype.name)
-        if found is not None:
-            _BY_DTYPE[dtype] = found
-    return found
+    return _BY_NAME.get(np.dtype(dtype).name if not isinstance(dtype, str) else dtype)
 
 
 def check_data_type(dtype: Any, what: str = "") -> DataType:
@@ -211,12 +199,9 @@ def _allocator(outs: List[Optional[np.ndarray]], index: int,
 
 
 def _checked_op(op: int, arrays: Sequence[np.ndarray], adasum: bool = False) -> int:
-    """``op`` as the engine's code, once every array's type accepts it (each type checked
-    once, in the order of first occurrence)."""
-    dtypes = dict.fromkeys(a.dtype if isinstance(a, np.ndarray) else np.asarray(a).dtype
-                           for a in arrays)
-    for dtype in dtypes:
-        check_reduce_op(op, check_data_type(dtype), adasum)
+    """``op`` as the engine's code, once every array's type accepts it."""
+    for a in arrays:
+        check_reduce_op(op, check_data_type(np.asarray(a).dtype), adasum)
     return int(op)
 
 
@@ -255,17 +240,14 @@ def allreduce(arrays: Sequence[np.ndarray], names: Names, op: int,
     engine = current.engine()
     rank = set_rank(process_set)
     srcs = [np.ascontiguousarray(a) for a in arrays]
-    dtypes = [a.dtype for a in srcs]
-    # Every type valid before a name is drawn; each checked once.
-    codes = {dtype: int(check_data_type(dtype)) for dtype in dict.fromkeys(dtypes)}
-    types = [codes[dtype] for dtype in dtypes]
+    types = [int(check_data_type(a.dtype)) for a in srcs]  # all valid before a name is drawn
     # ascontiguousarray makes a 0-d array 1-d: the shapes are the arrays' own.
-    shapes = [a.shape if isinstance(a, np.ndarray) else np.shape(a) for a in arrays]
-    outputs, out_addresses = array_pool.pool.empty_group(shapes, dtypes)
+    shapes = [np.shape(a) for a in arrays]
+    outputs = [empty(shape, a.dtype) for shape, a in zip(shapes, srcs)]
     set_id = process_set.process_set_id
     handles = engine.submit_allreduces(
         set_id, rank, names.resolve(len(srcs), set_id), types, shapes,
-        [a.ctypes.data for a in srcs], out_addresses, int(rop),
+        [a.ctypes.data for a in srcs], [o.ctypes.data for o in outputs], int(rop),
         float(prescale_factor), float(postscale_factor), (srcs, outputs))
     engine.wait_all(handles)
     return outputs

@@ -11,18 +11,15 @@ A result is a view of a :class:`_Lease`, an object that exposes the block's byte
 array a framework holds through DLPack) keeps the lease alive, so the block returns to the
 pool exactly when the last of them is gone; a finalizer on the lease does that.
 """
-import math
 import threading
 import weakref
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import numpy as np
 
 from aiak_training.common.env import env_bytes
 
 ALIGN = 64          # bytes: a cache line, and what TensorFlow's CPU allocator guarantees
-PACK_MAX_BYTES = 4096        # empty_group packs results up to this size ...
-PACK_BLOCK_BYTES = 64 << 10  # ... into shared blocks of at most this size
 _ROUND = 64 << 10   # block sizes are rounded to 64 KiB so that near sizes share blocks
 
 
@@ -91,43 +88,6 @@ class ArrayPool:
         lease = _Lease(block, nbytes)
         weakref.finalize(lease, self._release, block, size)
         return np.asarray(lease).view(dtype).reshape(shape)
-
-    def empty_group(self, shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[np.dtype]
-                    ) -> Tuple[List[np.ndarray], List[int]]:
-        """:meth:`empty` for several arrays at once, with their data addresses.
-
-        Arrays of at most :data:`PACK_MAX_BYTES` share blocks of up to
-        :data:`PACK_BLOCK_BYTES` (each array's data still starts on an :data:`ALIGN`
-        boundary): one allocation for many small results instead of one each.  A block
-        lives as long as any array in it, so that is all the memory a kept small result can
-        hold on to.  Larger arrays come from :meth:`empty`.  ``shapes`` are tuples of ints.
-        """
-        arrays: List[np.ndarray] = [None] * len(shapes)  # type: ignore[list-item]
-        addresses = [0] * len(shapes)
-        small: List[Tuple[int, int]] = []  # (index, bytes taken in a block)
-        for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-            nbytes = math.prod(shape) * dtype.itemsize
-            if nbytes > PACK_MAX_BYTES:
-                arrays[i] = out = self.empty(shape, dtype)
-                addresses[i] = out.ctypes.data
-            else:  # at least ALIGN bytes, so that no two arrays share an address
-                small.append((i, max(-(-nbytes // ALIGN) * ALIGN, ALIGN)))
-        start = 0
-        while start < len(small):
-            end, total = start, 0
-            while end < len(small) and (end == start or
-                                        total + small[end][1] <= PACK_BLOCK_BYTES):
-                total += small[end][1]
-                end += 1
-            block = _aligned(total)
-            base = block.ctypes.data
-            offset = 0
-            for i, taken in small[start:end]:
-                arrays[i] = np.ndarray(shapes[i], dtypes[i], block, offset)
-                addresses[i] = base + offset
-                offset += taken
-            start = end
-        return arrays, addresses
 
     def _release(self, block: np.ndarray, size: int) -> None:
         with self._lock:
