@@ -7,7 +7,7 @@ from aiak_training.common.env import (env_bool, env_bytes, env_choice, env_float
                                       env_optional_bool, env_str)
 from aiak_training.common.tuning import (ALGORITHM_ALIASES, ALGORITHM_CHOICES,
                                          ALLREDUCE_ALGORITHM, CYCLE_TIME, FUSION_THRESHOLD,
-                                         RESPONSE_CACHE)
+                                         HIERARCHICAL_ALLREDUCE_VARIABLE, RESPONSE_CACHE)
 
 #: Values of AIAK_ALLREDUCE_ALGO (the knob table's): ``auto`` lets the topology decide,
 #: ``hierarchical`` means ``hier_pipelined``; the others name one algorithm of
@@ -129,7 +129,7 @@ class Config:
             deadlock_shutdown=_deadlock_shutdown(),
             timeline=env_str("HOROVOD_TIMELINE"),
             timeline_mark_cycles=env_bool("HOROVOD_TIMELINE_MARK_CYCLES"),
-            hierarchical_allreduce=env_optional_bool(ALLREDUCE_ALGORITHM.env[1]),
+            hierarchical_allreduce=env_optional_bool(HIERARCHICAL_ALLREDUCE_VARIABLE),
             allreduce_algo=_allreduce_algo(),
             dynamic_process_sets=env_bool("HOROVOD_DYNAMIC_PROCESS_SETS"),
             zero_copy_bytes=env_bytes("AIAK_ZERO_COPY_BYTES", cls.zero_copy_bytes),

@@ -10,9 +10,11 @@ variables through it.  Nothing else lists these names; tests/test_knob_table.py 
 from aiak_training.common.tuning.table import (ALGORITHM_ALIASES, ALGORITHM_CHOICES, ALGORITHMS,
                                                 ALLREDUCE_ALGORITHM, AT_START, AT_STEP,
                                                 CYCLE_TIME, DGC, FUSED_OPTIMIZER,
-                                                FUSION_THRESHOLD, IN_SCRIPT, KNOBS, MB,
-                                                OVERLAP_UPDATE, RESPONSE_CACHE, Knob, knob)
+                                                FUSION_THRESHOLD, HIERARCHICAL_ALLREDUCE_VARIABLE,
+                                                IN_SCRIPT, KNOBS, MB, OVERLAP_UPDATE,
+                                                RESPONSE_CACHE, Knob, knob)
 
 __all__ = ["ALGORITHM_ALIASES", "ALGORITHM_CHOICES", "ALGORITHMS", "ALLREDUCE_ALGORITHM",
            "AT_START", "AT_STEP", "CYCLE_TIME", "DGC", "FUSED_OPTIMIZER", "FUSION_THRESHOLD",
-           "IN_SCRIPT", "KNOBS", "MB", "OVERLAP_UPDATE", "RESPONSE_CACHE", "Knob", "knob"]
+           "HIERARCHICAL_ALLREDUCE_VARIABLE", "IN_SCRIPT", "KNOBS", "MB", "OVERLAP_UPDATE",
+           "RESPONSE_CACHE", "Knob", "knob"]

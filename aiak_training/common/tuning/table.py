@@ -58,9 +58,11 @@ CYCLE_TIME = Knob(
 RESPONSE_CACHE = Knob(
     "cache_enabled", "response cache", ("HOROVOD_CACHE_CAPACITY",), "--cache-capacity",
     candidates=(True, False), applied=AT_STEP, autotune=True)
+#: Horovod's on/off switch for the hierarchy, which also fixes the algorithm knob.
+HIERARCHICAL_ALLREDUCE_VARIABLE = "HOROVOD_HIERARCHICAL_ALLREDUCE"
 ALLREDUCE_ALGORITHM = Knob(
     "algorithm", "allreduce algorithm",
-    ("AIAK_ALLREDUCE_ALGO", "HOROVOD_HIERARCHICAL_ALLREDUCE"), "--allreduce-algo",
+    ("AIAK_ALLREDUCE_ALGO", HIERARCHICAL_ALLREDUCE_VARIABLE), "--allreduce-algo",
     candidates=ALGORITHMS, applied=AT_STEP, autotune=True, advisor=True)
 OVERLAP_UPDATE = Knob(
     "overlap", "overlap update", ("AIAK_OVERLAP_UPDATE",), "--overlap-update",

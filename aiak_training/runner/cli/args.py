@@ -6,7 +6,8 @@ from typing import List, Optional, Sequence, Tuple
 
 from aiak_training.common.config import ALLREDUCE_ALGO_ALIASES, ALLREDUCE_ALGOS, LOG_LEVELS
 from aiak_training.common.tuning import (ALLREDUCE_ALGORITHM, CYCLE_TIME, FUSED_OPTIMIZER,
-                                         FUSION_THRESHOLD, OVERLAP_UPDATE, RESPONSE_CACHE)
+                                         FUSION_THRESHOLD, HIERARCHICAL_ALLREDUCE_VARIABLE,
+                                         OVERLAP_UPDATE, RESPONSE_CACHE)
 from aiak_training.runner.cli.flag_errors import FlagParser
 
 # horovodrun's elastic flags (runner/modes/elastic/launch.py validates and runs them); giving
@@ -136,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"response cache entries; 0 disables ({RESPONSE_CACHE.variable}; "
                           "default 1024)")
     _on_off(tun, "hierarchical-allreduce", "hierarchical_allreduce",
-            f"intra-node then inter-node allreduce ({ALLREDUCE_ALGORITHM.env[1]})")
+            f"intra-node then inter-node allreduce ({HIERARCHICAL_ALLREDUCE_VARIABLE})")
     _on_off(tun, "hierarchical-allgather", "hierarchical_allgather",
             "hierarchical allgather (HOROVOD_HIERARCHICAL_ALLGATHER; accepted, no effect: "
             "allgather always uses MPI's own algorithm)")

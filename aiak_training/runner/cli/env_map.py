@@ -7,7 +7,8 @@ import re
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from aiak_training.common.tuning import (ALLREDUCE_ALGORITHM, CYCLE_TIME, FUSED_OPTIMIZER,
-                                         FUSION_THRESHOLD, MB, OVERLAP_UPDATE, RESPONSE_CACHE)
+                                         FUSION_THRESHOLD, HIERARCHICAL_ALLREDUCE_VARIABLE, MB,
+                                         OVERLAP_UPDATE, RESPONSE_CACHE)
 from aiak_training.runner.cli.args import network_interfaces
 
 DEFAULT_START_TIMEOUT = 30
@@ -40,7 +41,7 @@ def flag_env(args: argparse.Namespace, environ: Mapping[str, str]) -> Dict[str, 
     if args.cache_capacity is not None:
         env[RESPONSE_CACHE.variable] = str(args.cache_capacity)
     if args.hierarchical_allreduce is not None:
-        env[ALLREDUCE_ALGORITHM.env[1]] = _bool(args.hierarchical_allreduce)
+        env[HIERARCHICAL_ALLREDUCE_VARIABLE] = _bool(args.hierarchical_allreduce)
     if args.hierarchical_allgather is not None:
         env["HOROVOD_HIERARCHICAL_ALLGATHER"] = _bool(args.hierarchical_allgather)
     if args.mpi_threads_disable is not None:
